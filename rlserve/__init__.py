@@ -1,0 +1,16 @@
+"""rlserve: an LLM inference engine for reinforcement-learning post-training."""
+
+from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.engine.llm import LLM
+from rlserve.outputs import CompletionOutput, Logprob, RequestOutput
+from rlserve.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "WeightTransferConfig",
+]

@@ -1,0 +1,280 @@
+"""The engine core: owns scheduler, KV cache and model runner; steps the batch; pauses; applies weight updates.
+
+It is synchronous and single-threaded on purpose: `LLM` drives it directly, `AsyncLLM` from one background thread,
+so a weight update can never race a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.config import EngineConfig
+from rlserve.engine.kv_cache import KVCacheManager
+from rlserve.engine.request import Request, RequestStatus
+from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
+from rlserve.model.runner import ModelRunner, PositionLogprobsData
+from rlserve.outputs import DEFAULT_WEIGHT_VERSION
+from rlserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step adds to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobsData | None]
+    new_prompt_logprobs: list[PositionLogprobsData] | None
+    weight_version: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        spec = self.runner.spec
+        self.vocab_size = spec.vocab_size
+        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled"
+            )
+        if self.runner.num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({self.runner.num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence "
+                f"of max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory"
+            )
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
+            self.kv_cache,
+        )
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = frozenset(_eos_token_ids(self.runner.hf_config, config.model))
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.weight_transfer = None  # created by init_weight_transfer_engine
+        self.weight_update_active = False
+        self.num_generated_tokens = 0  # counters for metrics
+        self.num_steps = 0
+
+    # ---- requests ----
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+            )
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name}: {k} is above the engine's max_logprobs ({self.config.max_logprobs})")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {self.vocab_size}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one sample (n == 1; the front end splits n > 1 into several requests)."""
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, generator)
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._output(request, [], [], None))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_schedulable_work()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        result = self.runner.execute(scheduled)
+        self.scheduler.update_after_step(scheduled)
+        self.num_steps += 1
+        outputs = []
+        for i, item in enumerate(scheduled):
+            request = item.request
+            token = result.sampled_token_ids[i]
+            prompt_logprobs = result.prompt_logprobs.get(i)
+            if prompt_logprobs is not None:
+                first = request.num_computed_tokens - item.num_new_tokens  # prompt position of the chunk's first row
+                prompt_logprobs = prompt_logprobs[max(0, request.num_prompt_logprobs_emitted - first) :]
+                request.num_prompt_logprobs_emitted += len(prompt_logprobs)
+            if token is None and not prompt_logprobs:
+                continue
+            new_tokens = []
+            if token is not None:
+                request.append_output_token(token)
+                new_tokens = [token]
+                self.num_generated_tokens += 1
+                status = request.check_stop()
+                if status is not None:
+                    self.scheduler.finish(request, status)
+                    del self.requests[request.request_id]
+            outputs.append(self._output(request, new_tokens, [result.logprobs[i]] if new_tokens else [], prompt_logprobs))
+        return outputs
+
+    def _output(self, request, new_tokens, new_logprobs, prompt_logprobs) -> EngineCoreOutput:
+        finished = request.status.finished
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            weight_version=self.weight_version,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    # ---- pause / resume ----
+
+    def pause(self, mode: str, clear_cache: bool) -> list[EngineCoreOutput]:
+        """Apply a pause mode. For "wait" the caller keeps stepping until `num_in_flight` is 0, then clears."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        outputs: list[EngineCoreOutput] = []
+        if mode == "abort":
+            outputs = self.abort_requests(list(self.requests))
+            self.scheduler.pause_state = PauseState.PAUSED_NEW
+        elif mode == "wait":
+            self.scheduler.pause_state = PauseState.PAUSED_NEW
+        else:
+            self.scheduler.pause_state = PauseState.PAUSED_ALL
+        if clear_cache and mode != "wait":
+            self.clear_cache()
+        return outputs
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.scheduler.num_in_flight
+
+    def clear_cache(self) -> None:
+        """Drop all KV: running requests are preempted (they recompute later) and the prefix cache is emptied."""
+        self.scheduler.preempt_all()
+        self.kv_cache.reset_prefix_cache()
+
+    def resume(self) -> None:
+        self.scheduler.pause_state = PauseState.UNPAUSED
+
+    def is_paused(self) -> bool:
+        return self.scheduler.pause_state is not PauseState.UNPAUSED
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+
+    # ---- weight updates ----
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from rlserve.weight_transfer import WeightTransferEngineFactory
+
+        if self.config.weight_transfer_config is None:
+            raise RuntimeError(
+                "Weight transfer not configured: create the engine with weight_transfer_config=WeightTransferConfig(...)"
+            )
+        if self.weight_transfer is None:
+            self.weight_transfer = WeightTransferEngineFactory.create_engine(
+                self.config.weight_transfer_config, self.runner.device
+            )
+        self.weight_transfer.init_transfer_engine(self.weight_transfer.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        if self.weight_transfer is None:
+            raise RuntimeError("start_weight_update: the weight transfer engine is not initialized; call init_weight_transfer_engine first")
+        if self.weight_update_active:
+            raise RuntimeError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
+        self.weight_update_active = True
+
+    def update_weights(self, update_info: dict) -> None:
+        if self.weight_transfer is None:
+            raise RuntimeError("update_weights: the weight transfer engine is not initialized; call init_weight_transfer_engine first")
+        if not self.weight_update_active:
+            raise RuntimeError("update_weights: no weight update in progress; call start_weight_update first")
+        info = self.weight_transfer.parse_update_info(update_info)
+        try:
+            self.runner.model.check_weights(
+                (n, tuple(s), _dtype(d)) for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
+            )
+        except ValueError:
+            # The trainer may already be sending: take its bytes and drop them so it does not hang.
+            self.weight_transfer.discard_weights(info)
+            raise
+        self.weight_transfer.receive_weights(info, self.runner.load_weights)
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        if not self.weight_update_active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        self.weight_update_active = False
+        # KV computed under the old weights must not be served to requests that start from now on.
+        self.kv_cache.reset_prefix_cache()
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+
+    def load_weights_direct(self, weights) -> int:
+        """Write checkpoint-format tensors straight into the model (the trainer shares this process)."""
+        written = self.runner.load_weights(weights)
+        self.kv_cache.reset_prefix_cache()
+        return written
+
+    def checksums(self) -> dict[str, str]:
+        from rlserve.weight_transfer.checksum import weight_checksums
+
+        return weight_checksums(self.runner.model.checkpoint_weights())
+
+    def shutdown(self) -> None:
+        if self.weight_transfer is not None:
+            self.weight_transfer.shutdown()
+            self.weight_transfer = None
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype_names: {name!r} is not a torch dtype")
+    return dtype
+
+
+def _eos_token_ids(hf_config, model_dir: str) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids = getattr(hf_config, "eos_token_id", None)
+    try:
+        ids = GenerationConfig.from_pretrained(model_dir).eos_token_id or ids
+    except OSError:
+        pass
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else set(ids)

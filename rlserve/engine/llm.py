@@ -1,0 +1,137 @@
+"""The offline entry point: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.engine.core import EngineCore
+from rlserve.engine.output_processor import OutputKind, OutputProcessor
+from rlserve.outputs import RequestOutput
+from rlserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+    wt = kwargs.get("weight_transfer_config")
+    if isinstance(wt, dict):
+        kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
+    return EngineConfig(model=model, **kwargs)
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        return prompt, tokenizer(prompt).input_ids
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list):
+                raise ValueError("prompt_token_ids: must be a list of token ids")
+            return prompt.get("prompt"), list(ids)
+        if "prompt" in prompt and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], tokenizer(prompt["prompt"]).input_ids
+    raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = make_engine_config(model, **kwargs)
+        self.engine_core = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        # Tokenize and validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        tokenized = [tokenize_prompt(self.tokenizer, p) for p in prompts]
+        for (_, ids), params in zip(tokenized, params_list, strict=True):
+            self.engine_core.validate(ids, params)
+        order: dict[str, int] = {}
+        for (text, ids), params in zip(tokenized, params_list, strict=True):
+            request_id = str(next(self._ids))
+            order[request_id] = len(order)
+            for child_id, child_params in self.output_processor.add_request(request_id, text, ids, params, OutputKind.FINAL_ONLY):
+                self.engine_core.add_request(child_id, ids, child_params)
+        results: list[RequestOutput | None] = [None] * len(order)
+        with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req", dynamic_ncols=True) as bar:
+            while self.engine_core.has_unfinished_requests():
+                outputs, to_abort = self.output_processor.process(self.engine_core.step())
+                if to_abort:
+                    self.engine_core.abort_requests(to_abort)
+                for out in outputs:
+                    results[order[out.request_id]] = out
+                    bar.update(1)
+                bar.set_postfix(tokens=self.engine_core.num_generated_tokens, refresh=False)
+        return results
+
+    # ---- weights, vLLM's names ----
+
+    def init_weight_transfer_engine(self, request) -> None:
+        self.engine_core.init_weight_transfer_engine(_field(request, "init_info"))
+
+    def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
+        # vLLM G2 passed is_checkpoint_format=True; rlserve always takes checkpoint-format names.
+        self.engine_core.start_weight_update()
+
+    def update_weights(self, request) -> None:
+        self.engine_core.update_weights(_field(request, "update_info"))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine_core.finish_weight_update(weight_version)
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.engine_core.weight_version = str(new_version)
+
+    def get_weight_version(self) -> str:
+        return self.engine_core.weight_version
+
+    def load_weights(self, weights) -> int:
+        return self.engine_core.load_weights_direct(weights)
+
+    def weight_checksums(self) -> dict[str, str]:
+        return self.engine_core.checksums()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+def _field(request, name: str) -> dict:
+    """Accept vLLM's request envelopes, a {name: {...}} dict, or the inner dict itself."""
+    if hasattr(request, name):
+        return getattr(request, name)
+    if isinstance(request, dict):
+        return request[name] if name in request and isinstance(request[name], dict) else request
+    raise ValueError(f"{name}: expected a request object or a dict")

@@ -1,0 +1,200 @@
+"""Front-end side of the engine: turns core outputs into RequestOutputs (text, logprobs, n samples per request)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from rlserve.engine.core import EngineCoreOutput
+from rlserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from rlserve.model.runner import PositionLogprobsData
+from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from rlserve.sampling_params import SamplingParams
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every output holds everything so far
+    DELTA = "delta"  # every output holds only what is new (streaming)
+    FINAL_ONLY = "final_only"  # one output when the request finishes
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+@dataclass
+class _Sample:
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # for DELTA outputs
+    sent_text: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    kind: OutputKind
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    num_cached_tokens: int = 0
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}  # by request id
+        self.child_to_parent: dict[str, tuple[str, int]] = {}
+        self._token_text: dict[int, str] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns the (child request id, params) pairs to hand to the engine core."""
+        samples, children = [], []
+        for i in range(params.n):
+            child_params = params.child(i)
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            samples.append(_Sample(i, child_params, detok, logprobs=[] if params.logprobs is not None else None))
+            child_id = child_request_id(request_id, i, params.n)
+            self.child_to_parent[child_id] = (request_id, i)
+            children.append((child_id, child_params))
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.states[request_id] = _RequestState(request_id, prompt, list(prompt_token_ids), samples, kind, prompt_logprobs)
+        return children
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        return [child_request_id(request_id, s.index, len(state.samples)) for s in state.samples]
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _position_logprobs(self, data: PositionLogprobsData, token_id: int) -> PositionLogprobs:
+        ids, values, token_value, token_rank = data
+        entry = {tid: Logprob(v, rank + 1, self.token_text(tid)) for rank, (tid, v) in enumerate(zip(ids, values, strict=True))}
+        if token_id not in entry:
+            entry[token_id] = Logprob(token_value, token_rank, self.token_text(token_id))
+        else:
+            entry[token_id].rank = token_rank
+        return entry
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to deliver and the child request ids the core must stop (stop strings hit)."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in core_outputs:
+            parent = self.child_to_parent.get(out.request_id)
+            if parent is None:
+                continue
+            state = self.states[parent[0]]
+            sample = state.samples[parent[1]]
+            if sample.finish_reason is not None:
+                continue  # the core may run a token or two past a stop string before its abort lands
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
+                offset = len(state.prompt_logprobs)
+                for j, data in enumerate(out.new_prompt_logprobs):
+                    state.prompt_logprobs.append(self._position_logprobs(data, state.prompt_token_ids[offset + j]))
+            self._add_tokens(sample, out)
+            if sample.finish_reason is None and out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            elif sample.finish_reason is not None and out.finish_reason is None:
+                to_abort.append(out.request_id)  # finished by a stop string
+            if sample.finish_reason is not None:
+                self.child_to_parent.pop(out.request_id, None)
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            if state.kind is OutputKind.FINAL_ONLY and not state.finished:
+                continue
+            results.append(self._make_output(state))
+            if state.finished:
+                del self.states[state.request_id]
+        return results, to_abort
+
+    def _add_tokens(self, sample: _Sample, out: EngineCoreOutput) -> None:
+        params = sample.params
+        for token_id, data in zip(out.new_token_ids, out.new_logprobs, strict=True):
+            sample.token_ids.append(token_id)
+            sample.weight_versions.append(out.weight_version)
+            if sample.logprobs is not None and data is not None:
+                entry = self._position_logprobs(data, token_id)
+                sample.logprobs.append(entry)
+                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry[token_id].logprob
+        if sample.detokenizer is None or not out.new_token_ids:
+            return
+        delta = sample.detokenizer.add(out.new_token_ids)
+        sample.text += delta
+        if params.stop and delta:
+            hit = find_stop_string(sample.text, len(delta), params.stop, params.include_stop_str_in_output)
+            if hit is not None:
+                sample.text = sample.text[: hit[1]]
+                sample.finish_reason, sample.stop_reason = "stop", hit[0]
+
+    def _make_output(self, state: _RequestState) -> RequestOutput:
+        completions = []
+        delta = state.kind is OutputKind.DELTA
+        for s in state.samples:
+            t0, c0 = (s.sent_tokens, s.sent_text) if delta else (0, 0)
+            completions.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.text[c0:],
+                    token_ids=s.token_ids[t0:],
+                    cumulative_logprob=s.cumulative_logprob,
+                    logprobs=None if s.logprobs is None else s.logprobs[t0:],
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    weight_versions=s.weight_versions[t0:],
+                )
+            )
+            s.sent_tokens, s.sent_text = len(s.token_ids), len(s.text)
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None
+        state.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sample of the request aborted and return its final output."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+            self.child_to_parent.pop(child_request_id(request_id, s.index, len(state.samples)), None)
+        del self.states[request_id]
+        return self._make_output(state)

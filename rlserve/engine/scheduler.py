@@ -1,0 +1,147 @@
+"""Continuous batching: each step gives running requests their next tokens first, then admits waiting ones.
+
+One step can mix decodes and (chunks of) prefills under a token budget. When KV blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later (no request is lost).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from rlserve.engine.kv_cache import KVCacheManager
+from rlserve.engine.request import Request, RequestStatus
+
+
+class PauseState(enum.Enum):
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"  # running requests continue; nothing new is admitted
+    PAUSED_ALL = "paused_all"  # nothing is scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pause_state = PauseState.UNPAUSED
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests that have started: running ones and preempted ones waiting to be readmitted."""
+        return len(self.running) + sum(1 for r in self.waiting if r.num_preemptions)
+
+    def has_schedulable_work(self) -> bool:
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return False
+        if self.pause_state is PauseState.PAUSED_NEW:
+            return self.num_in_flight > 0
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return []
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate(request, num_new):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                i += 1
+        # After a preemption blocks are short: admitting now would only thrash.
+        if not preempted:
+            self._admit_waiting(scheduled, budget)
+        return scheduled
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            # While pausing for new work (PAUSED_NEW), only requests that already started may come back.
+            if self.pause_state is PauseState.PAUSED_NEW and not request.num_preemptions:
+                break
+            num_cached = self.kv_cache.match_prefix(request)
+            request.num_computed_tokens = num_cached
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    self.kv_cache.free(request)
+                    request.num_computed_tokens = 0
+                    break
+                num_new = budget
+            if not self.kv_cache.allocate(request, num_new):
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+                break
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def preempt(self, request: Request) -> None:
+        """Free the request's KV and queue it first in line; it recomputes its tokens when readmitted."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def preempt_all(self) -> None:
+        for request in reversed(list(self.running)):
+            self.preempt(request)
+
+    def update_after_step(self, scheduled: list[ScheduledRequest]) -> None:
+        for item in scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.commit_full_blocks(item.request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv_cache.free(request)

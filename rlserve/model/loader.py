@@ -1,0 +1,83 @@
+"""From a Hugging Face model directory to a model with its weights on the device."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from rlserve.model.layers import RotaryEmbedding
+from rlserve.model.models import SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"model: directory {model_dir!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {model_dir!r} has no config.json")
+    cfg = AutoConfig.from_pretrained(path)
+    arch = (getattr(cfg, "architectures", None) or ["<none>"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return cfg
+
+
+def resolve_dtype(dtype: str, cfg: PretrainedConfig) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    configured = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    if isinstance(configured, str):
+        configured = _DTYPES.get(configured, torch.float32)
+    return configured
+
+
+def checkpoint_files(model_dir: str) -> list[Path]:
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {model_dir!r} holds no .safetensors weights")
+    return files
+
+
+def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """Allocate the model on the device without initialising it; the caller loads weights next."""
+    spec = spec_from_hf_config(cfg)
+    rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(spec, rotary)
+    model = model.to(dtype).to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty re-creates parameters; tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tuple[DecoderForCausalLM, PretrainedConfig]:
+    cfg = load_hf_config(model_dir)
+    model = build_model(cfg, dtype, device)
+    names = {name for name, _ in model.checkpoint_weights()}
+    loaded: set[str] = set()
+    for name, tensor in iterate_checkpoint(model_dir):
+        if model.load_weights([(name, tensor)]):
+            loaded.add("model.embed_tokens.weight" if name == "lm_head.weight" and model.spec.tie_word_embeddings else name)
+    missing = names - loaded
+    if missing:
+        raise ValueError(f"model: checkpoint in {model_dir!r} lacks weights {sorted(missing)[:5]}")
+    return model, cfg

@@ -1,0 +1,234 @@
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) over the paged KV cache, with an in-place checkpoint loader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
+from rlserve.model.layers import FusedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2; Llama with attention_bias
+    o_bias: bool  # Llama with attention_bias
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3
+
+
+def spec_from_hf_config(cfg) -> DecoderSpec:
+    arch = (getattr(cfg, "architectures", None) or ["?"])[0]
+    rope_scaling = getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (model config field 'rope_scaling')")
+    rope_theta = getattr(cfg, "rope_theta", None)
+    if rope_theta is None:  # transformers 5 moved it into rope_parameters
+        rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    return DecoderSpec(
+        architecture=arch,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(rope_theta),
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or attention_bias,
+        o_bias=attention_bias and not is_qwen2,
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+    )
+
+
+@dataclass
+class ForwardContext:
+    """What attention layers need for one forward pass; passed explicitly, never stored globally."""
+
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    backend: AttentionBackend
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = FusedLinear(spec.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary = rotary
+        self.scale = spec.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": size, "up_proj": size}, spec.mlp_bias)
+        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    # Checkpoint tensors that live inside a fused parameter: checkpoint sub-name -> fused module name.
+    fused_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    # Checkpoint tensors that carry no weights of this model (derived buffers saved by old exporters).
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, rotary)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._lm_head_fp32: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor, fp32_head: bool = False) -> torch.Tensor:
+        if not fp32_head:
+            return self.lm_head(hidden)
+        if self._lm_head_fp32 is None:  # refreshed whenever load_weights writes the head
+            self._lm_head_fp32 = self.lm_head.weight.detach().float()
+        return torch.nn.functional.linear(hidden.float(), self._lm_head_fp32)
+
+    # ---- checkpoint-format weights: one loader for start-up and for live updates ----
+
+    def _resolve(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """Map a checkpoint name to (parameter, first row, row count); None for tensors the model ignores."""
+        if name.endswith(self.ignored_suffixes):
+            return None
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            name = "model.embed_tokens.weight"
+        parts = name.split(".")
+        fused = self.fused_names.get(parts[-2]) if len(parts) >= 2 else None
+        module_name, sub = (".".join(parts[:-2] + [fused]), parts[-2]) if fused else (".".join(parts[:-1]), None)
+        try:
+            module = self.get_submodule(module_name)
+            param = getattr(module, parts[-1])
+        except AttributeError:
+            raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model") from None
+        if not isinstance(param, torch.nn.Parameter):
+            raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model")
+        if sub is None:
+            return param, 0, param.shape[0]
+        start, rows = module.shards[sub]
+        return param, start, rows
+
+    def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Refuse, before any byte moves, names the model lacks, shapes that differ and non-float dtypes."""
+        for name, shape, dtype in metadata:
+            target = self._resolve(name)
+            if target is None:
+                continue
+            param, _, rows = target
+            expected = (rows, *param.shape[1:])
+            if tuple(shape) != expected:
+                raise ValueError(f"weight {name!r}: shape {list(shape)} does not match the model's {list(expected)}")
+            if not dtype.is_floating_point:
+                raise ValueError(f"weight {name!r}: dtype {dtype} is not a floating-point type")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy checkpoint-format tensors into the existing parameters, in place; validate all before writing any.
+
+        Any subset of the model's weights may be given. Returns the number of tensors written.
+        """
+        weights = list(weights)
+        self.check_weights((name, tuple(t.shape), t.dtype) for name, t in weights)
+        written = 0
+        for name, tensor in weights:
+            target = self._resolve(name)
+            if target is None:
+                continue
+            param, start, rows = target
+            param.data[start : start + rows].copy_(tensor)
+            if param is self.lm_head.weight:
+                self._lm_head_fp32 = None
+            written += 1
+        return written
+
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's weights under checkpoint names (views into fused parameters), e.g. for checksums."""
+        for name, param in self.named_parameters():
+            parts = name.split(".")
+            module = self.get_submodule(".".join(parts[:-1]))
+            if isinstance(module, FusedLinear):
+                prefix = ".".join(parts[:-2])
+                for sub, (start, rows) in module.shards.items():
+                    yield f"{prefix}.{sub}.{parts[-1]}", param.data[start : start + rows]
+            else:
+                yield name, param.data

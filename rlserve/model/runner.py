@@ -1,0 +1,213 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.config import EngineConfig
+from rlserve.engine.scheduler import ScheduledRequest
+from rlserve.model.attention import AttentionMetadata, create_attention_backend
+from rlserve.model.loader import load_model, resolve_dtype, load_hf_config
+from rlserve.model.models.llama import ForwardContext
+from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+
+logger = logging.getLogger(__name__)
+
+# Host form of one position's logprobs: (top-k ids, top-k values, chosen token's value, chosen token's rank).
+PositionLogprobsData = tuple[list[int], list[float], float, int]
+
+
+@dataclass
+class RunnerOutput:
+    """Aligned with the scheduled list: a token where the request sampled, None where it only prefilled."""
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[PositionLogprobsData | None]
+    # request index in the scheduled list -> logprobs of the prompt tokens this step's chunk predicts
+    prompt_logprobs: dict[int, list[PositionLogprobsData]]
+
+
+def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
+    return list(zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist()))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
+        self.spec = self.model.spec
+        self.fp32_head = config.lm_head_dtype == "float32"
+        self.backend = create_attention_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(config.logprobs_mode)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
+        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.spec.num_layers)
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
+    def _num_blocks_that_fit(self) -> int:
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // self.bytes_per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - used_by_others - torch.cuda.max_memory_allocated(self.device)
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError("gpu_memory_utilization leaves no memory for the KV cache; raise it or use a smaller model")
+        return num_blocks
+
+    def _profile_run(self) -> None:
+        """A forward at the largest token budget with a one-block cache, so its activation peak can be measured."""
+        n = self.config.max_num_batched_tokens
+        shape = (1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.spec.num_layers)]
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            max_seqlen_q=n,
+            max_seq_len=1,
+        )
+        # Attention over a 1-token context is cheap; the peak comes from the projections and the MLP at n tokens.
+        hidden = self.model(ids, ids, ForwardContext(meta, caches, _NoAttention()))
+        self.model.compute_logits(hidden[: self.config.max_num_seqs], self.fp32_head)
+        torch.cuda.synchronize(self.device)
+        del caches, hidden
+
+    # ---- one step ----
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []  # index into `scheduled` of each request that samples
+        logits_indices: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []  # (scheduled index, first hidden row, count)
+        prompt_targets: list[int] = []
+        bs = self.block_size
+        for i, item in enumerate(scheduled):
+            request, n = item.request, item.num_new_tokens
+            start = request.num_computed_tokens
+            first_row = len(input_ids)
+            input_ids.extend(request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = request.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            if item.samples:
+                sample_rows.append(i)
+                logits_indices.append(len(input_ids) - 1)
+            if request.sampling_params.prompt_logprobs is not None:
+                # Hidden row for position p predicts token p + 1; only prompt targets count.
+                count = max(0, min(start + n, request.num_prompt_tokens - 1) - start)
+                if count:
+                    prompt_rows.append((i, first_row, count))
+                    prompt_targets.extend(request.all_token_ids[start + 1 : start + 1 + count])
+        max_blocks = max(len(item.request.block_table) for item in scheduled)
+        block_tables = [item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in scheduled]
+
+        dev = self.device
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
+
+        sampled: list[int | None] = [None] * len(scheduled)
+        logprobs: list[PositionLogprobsData | None] = [None] * len(scheduled)
+        if sample_rows:
+            requests = [scheduled[i].request for i in sample_rows]
+            logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=dev)], self.fp32_head)
+            out = self.sampler(logits, self._sampling_metadata(requests))
+            for i, token in zip(sample_rows, out.token_ids.tolist(), strict=True):
+                sampled[i] = token
+            if out.logprobs is not None:
+                for i, row in zip(sample_rows, _to_host(out.logprobs), strict=True):
+                    k = scheduled[i].request.sampling_params.logprobs
+                    if k is not None:
+                        logprobs[i] = (row[0][:k], row[1][:k], row[2], row[3])
+        prompt_logprobs: dict[int, list[PositionLogprobsData]] = {}
+        if prompt_rows:
+            rows = torch.cat([torch.arange(r, r + c, device=dev) for _, r, c in prompt_rows])
+            values = self.model.compute_logits(hidden[rows], self.fp32_head).float().log_softmax(-1)
+            k = max(scheduled[i].request.sampling_params.prompt_logprobs for i, _, _ in prompt_rows)
+            host = _to_host(gather_logprobs(values, k, torch.tensor(prompt_targets, device=dev)))
+            offset = 0
+            for i, _, count in prompt_rows:
+                kk = scheduled[i].request.sampling_params.prompt_logprobs
+                prompt_logprobs[i] = [(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]]
+                offset += count
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _sampling_metadata(self, requests) -> SamplingMetadata:
+        params = [r.sampling_params for r in requests]
+        greedy = [p.greedy for p in params]
+        vocab = self.spec.vocab_size
+        dev = self.device
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy, strict=True))
+        any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True))
+        any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32),
+            greedy=column(greedy, torch.bool),
+            top_k=column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long) if any_top_k else None,
+            top_p=column([p.top_p for p in params], torch.float32) if any_top_p else None,
+            min_p=column([p.min_p for p in params], torch.float32) if any_min_p else None,
+            generators=[r.generator for r in requests],
+            min_tokens_mask=[(i, sorted(r.stop_ids)) for i, r in enumerate(requests) if r.below_min_tokens and r.stop_ids],
+            max_num_logprobs=max(wanted) if wanted else -1,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+        )
+
+    # ---- weights ----
+
+    def load_weights(self, weights) -> int:
+        return self.model.load_weights(weights)
+
+
+class _NoAttention:
+    """Stands in for attention during the memory profile: returns q unchanged."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        return q

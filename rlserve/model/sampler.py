@@ -1,0 +1,124 @@
+"""Sampling with per-request settings, and logprobs in the four modes of vLLM.
+
+Order (vLLM's): raw values are captured from the model's logits; then stop tokens are masked for requests below
+min_tokens, logits are divided by the temperature, and min-p, top-k and top-p mask tokens to -inf. What remains is
+the distribution actually sampled from: the "processed" values. Greedy rows take the argmax and skip temperature and
+truncation. Random rows use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p and needs
+no host synchronisation; a request with a seed draws its E from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.config import LogprobsMode
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [N] float32; 1.0 on greedy rows
+    greedy: torch.Tensor  # [N] bool
+    top_k: torch.Tensor | None  # [N] int64, vocab size where disabled; None when no row uses it
+    top_p: torch.Tensor | None  # [N] float32; None when no row uses it
+    min_p: torch.Tensor | None  # [N] float32; None when no row uses it
+    generators: list[torch.Generator | None]
+    min_tokens_mask: list[tuple[int, list[int]]]  # (row, token ids to forbid) for rows below min_tokens
+    max_num_logprobs: int  # -1: no row wants logprobs
+    all_greedy: bool
+    all_random: bool
+
+
+@dataclass
+class LogprobsTensors:
+    """Top-k values per row plus the value and rank of a chosen token (the sampled one, or the actual next token)."""
+
+    topk_ids: torch.Tensor  # [N, k]
+    topk_values: torch.Tensor  # [N, k]
+    token_values: torch.Tensor  # [N]
+    token_ranks: torch.Tensor  # [N]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N]
+    logprobs: LogprobsTensors | None
+
+
+def gather_logprobs(values: torch.Tensor, k: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    token_values = values.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    # vLLM's rank: how many vocabulary entries score at least as high as the token (1 = the best).
+    token_ranks = (values >= token_values.unsqueeze(-1)).sum(-1)
+    topk_values, topk_ids = values.topk(k, dim=-1) if k > 0 else (values[:, :0], token_ids[:, None][:, :0])
+    return LogprobsTensors(topk_ids, topk_values, token_values, token_ranks)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(-1)
+    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(-1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        # Keep the k largest: everything strictly below the k-th largest value goes.
+        kth = sorted_logits.gather(-1, (logits.shape[-1] - top_k).clamp(min=0).unsqueeze(-1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        # Drop the smallest tokens whose total mass stays within 1 - top_p; the largest token always survives.
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(-1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, logprobs_mode: LogprobsMode) -> None:
+        self.logprobs_mode = logprobs_mode
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw = logits
+        if meta.min_tokens_mask:
+            logits = logits.clone()
+            for row, token_ids in meta.min_tokens_mask:
+                logits[row, token_ids] = float("-inf")
+        greedy_tokens = None if meta.all_random else logits.argmax(-1)
+        processed = logits
+        if not meta.all_greedy:
+            processed = logits / meta.temperature.unsqueeze(-1)
+            if meta.min_p is not None:
+                processed = apply_min_p(processed, meta.min_p)
+            if meta.top_k is not None or meta.top_p is not None:
+                processed = apply_top_k_top_p(processed, meta.top_k, meta.top_p)
+            if not meta.all_random:  # greedy rows report their unprocessed values
+                processed = torch.where(meta.greedy.unsqueeze(-1), logits, processed)
+            random_tokens = self._sample_random(processed, meta.generators)
+            token_ids = random_tokens if meta.all_random else torch.where(meta.greedy, greedy_tokens, random_tokens)
+        else:
+            token_ids = greedy_tokens
+        logprobs = None
+        if meta.max_num_logprobs >= 0:
+            values = {
+                "raw_logprobs": lambda: raw.log_softmax(-1),
+                "raw_logits": lambda: raw,
+                "processed_logprobs": lambda: processed.log_softmax(-1),
+                "processed_logits": lambda: processed,
+            }[self.logprobs_mode]()
+            logprobs = gather_logprobs(values, meta.max_num_logprobs, token_ids)
+        return SamplerOutput(token_ids, logprobs)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        probs = logits.softmax(-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        if len(seeded) < len(generators):
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=generators[i])
+        return probs.div_(noise).argmax(-1)

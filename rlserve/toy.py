@@ -1,0 +1,76 @@
+"""Small models and a byte-level tokenizer that rlserve builds itself, so tests, demos and benchmarks need no download."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Shapes by name; "qwen3-0.6b-shape" is the benchmark model of BENCHMARKS.md.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "qwen3-0.6b-shape": dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
+    ),
+}
+MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer with no merges: 256 byte tokens plus chat specials. Any text round-trips."""
+    vocab = {sym: i for i, sym in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {sym: i for i, sym in enumerate(sorted(vocab))}
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def make_model_dir(
+    path: str | Path,
+    architecture: str = "Qwen3ForCausalLM",
+    preset: str = "tiny",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> Path:
+    """Write a randomly initialised model (config, safetensors, tokenizer) that loads like any HF checkpoint."""
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    fields = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    fields.update(PRESETS[preset])
+    fields.update(overrides)
+    if architecture == "Qwen2ForCausalLM":
+        fields.pop("head_dim", None)
+        fields["hidden_size"] = fields["num_attention_heads"] * PRESETS[preset].get("head_dim", 16)
+    config = AutoConfig.for_model(MODEL_TYPES[architecture], architectures=[architecture], **fields)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path)
+    if fields["vocab_size"] >= len(tokenizer):
+        tokenizer.save_pretrained(path)
+    return path
