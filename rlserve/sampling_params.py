@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output holds everything so far
+    DELTA = 1  # every output holds only what is new (streaming)
+    FINAL_ONLY = 2  # one output when the request finishes
 
 
 @dataclass
@@ -23,6 +30,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Small models and a byte-level tokenizer that rlserve builds itself, so tests, demos and benchmarks need no download."""
+"""Small models and a byte-level tokenizer that rlserve builds itself: tests, demos and benchmarks download nothing."""
 
 from __future__ import annotations
 
@@ -16,11 +16,32 @@ CHAT_TEMPLATE = (
 
 # Shapes by name; "qwen3-0.6b-shape" is the benchmark model of BENCHMARKS.md.
 PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    "small": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
     "qwen3-0.6b-shape": dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
     ),
 }
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}

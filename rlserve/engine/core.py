@@ -52,7 +52,8 @@ class EngineCore:
             )
         if self.runner.num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
-                f"the KV cache ({self.runner.num_blocks} blocks of {config.block_size} tokens) cannot hold one sequence "
+                f"the KV cache ({self.runner.num_blocks} blocks of {config.block_size} tokens) cannot hold one "
+                f"sequence "
                 f"of max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory"
             )
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -75,7 +76,8 @@ class EngineCore:
             raise ValueError("prompt: the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within max_model_len={self.max_model_len}"
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
             )
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
@@ -142,7 +144,9 @@ class EngineCore:
                 if status is not None:
                     self.scheduler.finish(request, status)
                     del self.requests[request.request_id]
-            outputs.append(self._output(request, new_tokens, [result.logprobs[i]] if new_tokens else [], prompt_logprobs))
+            outputs.append(
+                self._output(request, new_tokens, [result.logprobs[i]] if new_tokens else [], prompt_logprobs)
+            )
         return outputs
 
     def _output(self, request, new_tokens, new_logprobs, prompt_logprobs) -> EngineCoreOutput:
@@ -201,7 +205,7 @@ class EngineCore:
 
         if self.config.weight_transfer_config is None:
             raise RuntimeError(
-                "Weight transfer not configured: create the engine with weight_transfer_config=WeightTransferConfig(...)"
+                "Weight transfer not configured: create the engine with weight_transfer_config=WeightTransferConfig()"
             )
         if self.weight_transfer is None:
             self.weight_transfer = WeightTransferEngineFactory.create_engine(
@@ -209,28 +213,33 @@ class EngineCore:
             )
         self.weight_transfer.init_transfer_engine(self.weight_transfer.parse_init_info(init_info))
 
-    def start_weight_update(self) -> None:
+    def _require_transfer_engine(self, operation: str):
         if self.weight_transfer is None:
-            raise RuntimeError("start_weight_update: the weight transfer engine is not initialized; call init_weight_transfer_engine first")
+            raise RuntimeError(
+                f"{operation}: the weight transfer engine is not initialized; call init_weight_transfer_engine first"
+            )
+        return self.weight_transfer
+
+    def start_weight_update(self) -> None:
+        self._require_transfer_engine("start_weight_update")
         if self.weight_update_active:
-            raise RuntimeError("start_weight_update: a weight update is already in progress; call finish_weight_update first")
+            raise RuntimeError("start_weight_update: a weight update is already in progress; finish it first")
         self.weight_update_active = True
 
     def update_weights(self, update_info: dict) -> None:
-        if self.weight_transfer is None:
-            raise RuntimeError("update_weights: the weight transfer engine is not initialized; call init_weight_transfer_engine first")
+        transfer = self._require_transfer_engine("update_weights")
         if not self.weight_update_active:
             raise RuntimeError("update_weights: no weight update in progress; call start_weight_update first")
-        info = self.weight_transfer.parse_update_info(update_info)
+        info = transfer.parse_update_info(update_info)
         try:
             self.runner.model.check_weights(
                 (n, tuple(s), _dtype(d)) for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
             )
         except ValueError:
             # The trainer may already be sending: take its bytes and drop them so it does not hang.
-            self.weight_transfer.discard_weights(info)
+            transfer.discard_weights(info)
             raise
-        self.weight_transfer.receive_weights(info, self.runner.load_weights)
+        transfer.receive_weights(info, self.runner.load_weights)
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
 

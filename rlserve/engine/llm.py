@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from tqdm import tqdm
@@ -12,9 +12,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.engine.core import EngineCore
-from rlserve.engine.output_processor import OutputKind, OutputProcessor
+from rlserve.engine.output_processor import OutputProcessor
 from rlserve.outputs import RequestOutput
-from rlserve.sampling_params import SamplingParams
+from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any]
 
@@ -69,7 +69,9 @@ class LLM:
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params_list = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         # Tokenize and validate everything before queueing anything, so a bad prompt leaves the engine untouched.
@@ -80,7 +82,8 @@ class LLM:
         for (text, ids), params in zip(tokenized, params_list, strict=True):
             request_id = str(next(self._ids))
             order[request_id] = len(order)
-            for child_id, child_params in self.output_processor.add_request(request_id, text, ids, params, OutputKind.FINAL_ONLY):
+            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            for child_id, child_params in self.output_processor.add_request(request_id, text, ids, params):
                 self.engine_core.add_request(child_id, ids, child_params)
         results: list[RequestOutput | None] = [None] * len(order)
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req", dynamic_ncols=True) as bar:

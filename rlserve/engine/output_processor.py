@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -11,13 +10,7 @@ from rlserve.engine.core import EngineCoreOutput
 from rlserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from rlserve.model.runner import PositionLogprobsData
 from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from rlserve.sampling_params import SamplingParams
-
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"  # every output holds everything so far
-    DELTA = "delta"  # every output holds only what is new (streaming)
-    FINAL_ONLY = "final_only"  # one output when the request finishes
+from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -46,7 +39,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample]
-    kind: OutputKind
+    kind: RequestOutputKind
     prompt_logprobs: list[PositionLogprobs | None] | None
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
@@ -64,7 +57,7 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, kind: OutputKind
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; returns the (child request id, params) pairs to hand to the engine core."""
         samples, children = [], []
@@ -78,7 +71,9 @@ class OutputProcessor:
             self.child_to_parent[child_id] = (request_id, i)
             children.append((child_id, child_params))
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
-        self.states[request_id] = _RequestState(request_id, prompt, list(prompt_token_ids), samples, kind, prompt_logprobs)
+        self.states[request_id] = _RequestState(
+            request_id, prompt, list(prompt_token_ids), samples, params.output_kind, prompt_logprobs
+        )
         return children
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -95,7 +90,10 @@ class OutputProcessor:
 
     def _position_logprobs(self, data: PositionLogprobsData, token_id: int) -> PositionLogprobs:
         ids, values, token_value, token_rank = data
-        entry = {tid: Logprob(v, rank + 1, self.token_text(tid)) for rank, (tid, v) in enumerate(zip(ids, values, strict=True))}
+        entry = {
+            tid: Logprob(v, rank + 1, self.token_text(tid))
+            for rank, (tid, v) in enumerate(zip(ids, values, strict=True))
+        }
         if token_id not in entry:
             entry[token_id] = Logprob(token_value, token_rank, self.token_text(token_id))
         else:
@@ -129,7 +127,7 @@ class OutputProcessor:
             touched[state.request_id] = state
         results = []
         for state in touched.values():
-            if state.kind is OutputKind.FINAL_ONLY and not state.finished:
+            if state.kind is RequestOutputKind.FINAL_ONLY and not state.finished:
                 continue
             results.append(self._make_output(state))
             if state.finished:
@@ -157,7 +155,7 @@ class OutputProcessor:
 
     def _make_output(self, state: _RequestState) -> RequestOutput:
         completions = []
-        delta = state.kind is OutputKind.DELTA
+        delta = state.kind is RequestOutputKind.DELTA
         for s in state.samples:
             t0, c0 = (s.sent_tokens, s.sent_text) if delta else (0, 0)
             completions.append(

@@ -72,7 +72,9 @@ class Request:
         """Stop conditions that need no text: stop/EOS token ids and length limits."""
         last = self.output_token_ids[-1]
         if not self.below_min_tokens and last in self.stop_ids:
-            self.stop_reason = None if last in self.eos_token_ids and last not in self.sampling_params.stop_token_ids else last
+            self.stop_reason = (
+                None if last in self.eos_token_ids and last not in self.sampling_params.stop_token_ids else last
+            )
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH

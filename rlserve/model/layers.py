@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as Hugging Face (normalise in fp32, cast back, then scale) so fp32 and bf16 outputs agree with it.
+        # Hugging Face's op order (normalise in fp32, cast back, then scale), so outputs agree with it in any dtype.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

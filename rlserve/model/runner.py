@@ -10,7 +10,7 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
-from rlserve.model.loader import load_model, resolve_dtype, load_hf_config
+from rlserve.model.loader import load_hf_config, load_model, resolve_dtype
 from rlserve.model.models.llama import ForwardContext
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 
@@ -31,7 +31,7 @@ class RunnerOutput:
 
 
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
-    return list(zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist()))
+    return list(zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist(), strict=True))
 
 
 class ModelRunner:
@@ -51,7 +51,10 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
             for _ in range(self.spec.num_layers)
         ]
 
@@ -68,10 +71,14 @@ class ModelRunner:
         self._profile_run()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.gpu_memory_utilization - used_by_others - torch.cuda.max_memory_allocated(self.device)
+        budget = (
+            total * self.config.gpu_memory_utilization - used_by_others - torch.cuda.max_memory_allocated(self.device)
+        )
         num_blocks = int(budget // self.bytes_per_block)
         if num_blocks < 1:
-            raise ValueError("gpu_memory_utilization leaves no memory for the KV cache; raise it or use a smaller model")
+            raise ValueError(
+                "gpu_memory_utilization leaves no memory for the KV cache; raise it or use a smaller model"
+            )
         return num_blocks
 
     def _profile_run(self) -> None:
@@ -128,7 +135,9 @@ class ModelRunner:
                     prompt_rows.append((i, first_row, count))
                     prompt_targets.extend(request.all_token_ids[start + 1 : start + 1 + count])
         max_blocks = max(len(item.request.block_table) for item in scheduled)
-        block_tables = [item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in scheduled]
+        block_tables = [
+            item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in scheduled
+        ]
 
         dev = self.device
         cu = [0]
@@ -188,13 +197,17 @@ class ModelRunner:
         any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32),
+            temperature=column(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
+            ),
             greedy=column(greedy, torch.bool),
             top_k=column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long) if any_top_k else None,
             top_p=column([p.top_p for p in params], torch.float32) if any_top_p else None,
             min_p=column([p.min_p for p in params], torch.float32) if any_min_p else None,
             generators=[r.generator for r in requests],
-            min_tokens_mask=[(i, sorted(r.stop_ids)) for i, r in enumerate(requests) if r.below_min_tokens and r.stop_ids],
+            min_tokens_mask=[
+                (i, sorted(r.stop_ids)) for i, r in enumerate(requests) if r.below_min_tokens and r.stop_ids
+            ],
             max_num_logprobs=max(wanted) if wanted else -1,
             all_greedy=all(greedy),
             all_random=not any(greedy),

@@ -79,7 +79,9 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = FusedLinear(spec.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, spec.qkv_bias)
+        self.qkv_proj = FusedLinear(
+            spec.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, spec.qkv_bias
+        )
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -142,7 +144,13 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     # Checkpoint tensors that live inside a fused parameter: checkpoint sub-name -> fused module name.
-    fused_names = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    fused_names = {
+        "q_proj": "qkv_proj",
+        "k_proj": "qkv_proj",
+        "v_proj": "qkv_proj",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+    }
     # Checkpoint tensors that carry no weights of this model (derived buffers saved by old exporters).
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
