@@ -3,7 +3,8 @@
 from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.engine.llm import LLM
 from rlserve.outputs import CompletionOutput, Logprob, RequestOutput
-from rlserve.sampling_params import SamplingParams
+from rlserve.sampling_params import RequestOutputKind, SamplingParams
+from rlserve.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
 __all__ = [
     "LLM",
@@ -11,6 +12,9 @@ __all__ = [
     "EngineConfig",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "WeightTransferConfig",
+    "WeightTransferInitRequest",
+    "WeightTransferUpdateRequest",
 ]

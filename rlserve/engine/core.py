@@ -44,7 +44,7 @@ class EngineCore:
         self.runner = ModelRunner(config)
         spec = self.runner.spec
         self.vocab_size = spec.vocab_size
-        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        self.max_model_len = self.runner.max_model_len
         if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
@@ -104,12 +104,17 @@ class EngineCore:
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         outputs = []
         for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
+            request = self.requests.get(request_id)
             if request is None:
                 continue
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._output(request, [], [], None))
         return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.release(request.request_id)
+        del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -142,8 +147,7 @@ class EngineCore:
                 self.num_generated_tokens += 1
                 status = request.check_stop()
                 if status is not None:
-                    self.scheduler.finish(request, status)
-                    del self.requests[request.request_id]
+                    self._finish(request, status)
             outputs.append(
                 self._output(request, new_tokens, [result.logprobs[i]] if new_tokens else [], prompt_logprobs)
             )

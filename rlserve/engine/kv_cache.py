@@ -37,6 +37,7 @@ class KVCacheManager:
         # (computed under replaced weights) is never offered to other requests.
         self.epoch = 0
         self.request_epoch: dict[str, int] = {}
+        self.num_committed: dict[str, int] = {}  # full blocks already registered, per request
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -113,9 +114,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching or self.request_epoch.get(request.request_id) != self.epoch:
             return
         num_full = request.num_computed_tokens // self.block_size
+        first = self.num_committed.get(request.request_id, 0)
+        if num_full <= first:
+            return
         hashes = self._chain(request, num_full)
         bs = self.block_size
-        for i in range(num_full):
+        self.num_committed[request.request_id] = num_full
+        for i in range(first, num_full):
             block = self.blocks[request.block_table[i]]
             if block.block_hash is not None:
                 continue
@@ -133,6 +138,7 @@ class KVCacheManager:
         request.block_table = []
         self.block_hashes.pop(request.request_id, None)
         self.request_epoch.pop(request.request_id, None)
+        self.num_committed.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Blocks in use stay with their requests but will not be shared again."""

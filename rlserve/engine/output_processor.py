@@ -63,8 +63,10 @@ class OutputProcessor:
         samples, children = [], []
         for i in range(params.n):
             child_params = params.child(i)
+            # Text is built token by token only where someone reads it early (streams, stop strings); a final-only
+            # output decodes once at the end, which keeps detokenization off the step loop of offline runs.
             detok = None
-            if params.detokenize:
+            if params.detokenize and (params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY):
                 detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             samples.append(_Sample(i, child_params, detok, logprobs=[] if params.logprobs is not None else None))
             child_id = child_request_id(request_id, i, params.n)
@@ -157,6 +159,8 @@ class OutputProcessor:
         completions = []
         delta = state.kind is RequestOutputKind.DELTA
         for s in state.samples:
+            if s.detokenizer is None and s.params.detokenize and s.finish_reason is not None:
+                s.text = self.tokenizer.decode(s.token_ids, skip_special_tokens=s.params.skip_special_tokens)
             t0, c0 = (s.sent_tokens, s.sent_text) if delta else (0, 0)
             completions.append(
                 CompletionOutput(

@@ -10,6 +10,8 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
+from rlserve.model.block_table import BlockTableBuffer
+from rlserve.model.cuda_graph import DecodeCUDAGraphs
 from rlserve.model.loader import load_hf_config, load_model, resolve_dtype
 from rlserve.model.models.llama import ForwardContext
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
@@ -31,7 +33,9 @@ class RunnerOutput:
 
 
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
-    return list(zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist(), strict=True))
+    return list(
+        zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist(), strict=True)
+    )
 
 
 class ModelRunner:
@@ -49,6 +53,12 @@ class ModelRunner:
         self.sampler = Sampler(config.logprobs_mode)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
+        self.pin_memory = self.device.type == "cuda"
+        self.max_model_len = min(
+            config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
+        )
+        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.block_table_buffer = BlockTableBuffer(max_blocks_per_seq, config.max_num_seqs, self.pin_memory)
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (
@@ -57,6 +67,17 @@ class ModelRunner:
             )
             for _ in range(self.spec.num_layers)
         ]
+        self.cuda_graphs: DecodeCUDAGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.cuda_graphs = DecodeCUDAGraphs(
+                self.model,
+                self.kv_caches,
+                self.backend,
+                config.max_num_seqs,
+                max_blocks_per_seq,
+                self.max_model_len,
+                self.device,
+            )
 
     @property
     def bytes_per_block(self) -> int:
@@ -103,6 +124,11 @@ class ModelRunner:
 
     # ---- one step ----
 
+    def _host_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor from host values; through pinned memory on CUDA so the copy does not block the host."""
+        t = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
+        return t.to(self.device, non_blocking=True)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         input_ids: list[int] = []
@@ -110,6 +136,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        rows: list[int] = []
         sample_rows: list[int] = []  # index into `scheduled` of each request that samples
         logits_indices: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []  # (scheduled index, first hidden row, count)
@@ -119,13 +146,19 @@ class ModelRunner:
             request, n = item.request, item.num_new_tokens
             start = request.num_computed_tokens
             first_row = len(input_ids)
-            input_ids.extend(request.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
             table = request.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:  # decode: the common case, kept free of per-token loops
+                input_ids.append(request.all_token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(request.all_token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            if item.samples:
+            rows.append(self.block_table_buffer.row(request))
+            if start + n == request.num_tokens:
                 sample_rows.append(i)
                 logits_indices.append(len(input_ids) - 1)
             if request.sampling_params.prompt_logprobs is not None:
@@ -134,34 +167,41 @@ class ModelRunner:
                 if count:
                     prompt_rows.append((i, first_row, count))
                     prompt_targets.extend(request.all_token_ids[start + 1 : start + 1 + count])
-        max_blocks = max(len(item.request.block_table) for item in scheduled)
-        block_tables = [
-            item.request.block_table + [0] * (max_blocks - len(item.request.block_table)) for item in scheduled
-        ]
-
-        dev = self.device
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
+        max_seq_len = max(seq_lens)
+        block_tables = self.block_table_buffer.gather(rows, -(-max_seq_len // bs)).to(self.device, non_blocking=True)
+        ids = self._host_tensor(input_ids, torch.long)
+        pos = self._host_tensor(positions, torch.long)
+        slots = self._host_tensor(slot_mapping, torch.long)
+        seq_lens_t = self._host_tensor(seq_lens, torch.int32)
+        is_decode = len(input_ids) == len(scheduled)
+        if is_decode and self.cuda_graphs is not None and len(scheduled) <= self.cuda_graphs.max_batch_size:
+            hidden = self.cuda_graphs.run(ids, pos, slots, seq_lens_t, block_tables)
+        else:
+            cu = [0]
+            for q in query_lens:
+                cu.append(cu[-1] + q)
+            meta = AttentionMetadata(
+                slot_mapping=slots,
+                cu_seqlens_q=self._host_tensor(cu, torch.int32),
+                seq_lens=seq_lens_t,
+                block_tables=block_tables,
+                max_seqlen_q=max(query_lens),
+                max_seq_len=max_seq_len,
+                query_lens_cpu=query_lens,
+                seq_lens_cpu=seq_lens,
+            )
+            hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
 
         sampled: list[int | None] = [None] * len(scheduled)
         logprobs: list[PositionLogprobsData | None] = [None] * len(scheduled)
         if sample_rows:
             requests = [scheduled[i].request for i in sample_rows]
-            logits = self.model.compute_logits(hidden[torch.tensor(logits_indices, device=dev)], self.fp32_head)
+            sample_hidden = (
+                hidden
+                if len(logits_indices) == hidden.shape[0]
+                else hidden[self._host_tensor(logits_indices, torch.long)]
+            )
+            logits = self.model.compute_logits(sample_hidden, self.fp32_head)
             out = self.sampler(logits, self._sampling_metadata(requests))
             for i, token in zip(sample_rows, out.token_ids.tolist(), strict=True):
                 sampled[i] = token
@@ -172,16 +212,21 @@ class ModelRunner:
                         logprobs[i] = (row[0][:k], row[1][:k], row[2], row[3])
         prompt_logprobs: dict[int, list[PositionLogprobsData]] = {}
         if prompt_rows:
-            rows = torch.cat([torch.arange(r, r + c, device=dev) for _, r, c in prompt_rows])
-            values = self.model.compute_logits(hidden[rows], self.fp32_head).float().log_softmax(-1)
+            dev = self.device
+            rows_t = torch.cat([torch.arange(r, r + c, device=dev) for _, r, c in prompt_rows])
+            values = self.model.compute_logits(hidden[rows_t], self.fp32_head).float().log_softmax(-1)
             k = max(scheduled[i].request.sampling_params.prompt_logprobs for i, _, _ in prompt_rows)
-            host = _to_host(gather_logprobs(values, k, torch.tensor(prompt_targets, device=dev)))
+            host = _to_host(gather_logprobs(values, k, self._host_tensor(prompt_targets, torch.long)))
             offset = 0
             for i, _, count in prompt_rows:
                 kk = scheduled[i].request.sampling_params.prompt_logprobs
                 prompt_logprobs[i] = [(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]]
                 offset += count
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's host-side state."""
+        self.block_table_buffer.release(request_id)
 
     def _sampling_metadata(self, requests) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]

@@ -14,6 +14,7 @@ nothing reads device memory on the host, and scratch buffers come from torch's a
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -22,10 +23,12 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 # Running row maxima start at a finite floor instead of -inf: a row whose keys are all masked then computes
 # exp2(-inf - floor) = 0 and exp2(floor - floor) = 1 instead of NaN, and simply ends with a zero denominator.
-_M_FLOOR = -1.0e30
+_M_FLOOR = tl.constexpr(-1.0e30)
 _MAX_DECODE_SPLITS = 64
 # A split must cover at least this many keys, or the per-split overhead and the reduction outweigh the parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
+# Whether triton.jit made the kernels below CPU-interpreted functions (it reads the same variable at decoration).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,6 +123,17 @@ def store_kv_cache(
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    if DOT_UPCAST:
+        # Triton's CPU interpreter multiplies bf16 operands as their raw uint16 bits; fp32 operands holding the same
+        # bf16 values give the product the GPU computes.
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _attend_kv_tile(
     acc,
     l_i,
@@ -142,6 +156,7 @@ def _attend_kv_tile(
     MASK_KV: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     """One online-softmax step of the [M, D] query tile against keys start_n .. start_n + BLOCK_N.
 
@@ -174,7 +189,7 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
 
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    s = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST) * qk_scale
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & kv_valid[None, :], s, float("-inf"))
     elif MASK_KV:
@@ -183,7 +198,7 @@ def _attend_kv_tile(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_new
 
 
@@ -222,6 +237,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     # The grid's first axis is a flat list of query tiles. Sequence b owns tiles starting at
     # cu_seqlens_q[b] // BLOCK_Q + b, which leaves it at least cdiv(q_len_b, BLOCK_Q) tiles, so a grid of
@@ -272,13 +288,13 @@ def _paged_attention_kernel(
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, start_n, kv_end, k_head_ptr, v_head_ptr, block_table_ptr, qk_scale,
             stride_cb, stride_ct, stride_cd,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
     for start_n in range(full_end, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, start_n, kv_end, k_head_ptr, v_head_ptr, block_table_ptr, qk_scale,
             stride_cb, stride_ct, stride_cd,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
 
     # A row that saw no key (only possible for padding) ends with l = 0 and acc = 0: write zeros, not NaN.
@@ -311,13 +327,37 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
-    num_kv_heads, group = _check_attention_shapes(q, k_cache, v_cache, block_tables, num_seqs)
+    _, group = _check_attention_shapes(q, k_cache, v_cache, block_tables, num_seqs)
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens_q must be [{num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}")
     out = _output_like(q, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _prefill_config(max_seqlen_q, group, head_dim)
+    block_m, block_n, num_warps, num_stages = _prefill_config(max_seqlen_q, group, head_dim, q.element_size())
+    _launch_paged_attention(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out, block_m, block_n, num_warps, num_stages
+    )
+    return out
+
+
+def _launch_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """Launch the varlen kernel with an explicit tile config (the benchmark sweeps configs through this)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
@@ -342,23 +382,26 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_UPCAST=_dot_upcast(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
 
 
-def _prefill_config(max_seqlen_q: int, group: int, head_dim: int) -> tuple[int, int, int, int]:
+def _prefill_config(max_seqlen_q: int, group: int, head_dim: int, elem_size: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the varlen kernel, from host ints only.
 
-    A tile holds BLOCK_M // G queries times all G heads of one kv head; short query runs (decode, small chunks) get
-    the smallest tile tl.dot accepts so few rows are wasted.
+    A tile holds BLOCK_M // G queries times all G heads of one kv head. Query runs of 64+ rows take 64-row tiles
+    (on an H200, 64x64 tiles with 4 warps and 2 stages beat 128-row tiles for 512-token prompts and 512-token chunks
+    over a 2k context); short runs (decode, small chunks) take the smallest tile tl.dot accepts and stream keys in
+    decode-sized tiles, since they are bound by reading K/V.
     """
-    block_m = min(128, max(16, triton.next_power_of_2(max(max_seqlen_q, 1) * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))  # at least one query per tile
-    if block_m >= 128:
-        return block_m, 64, 8, 3 if head_dim <= 128 else 2
-    return block_m, 64, 4, 3
+    rows = triton.next_power_of_2(max(max_seqlen_q, 1) * group)
+    block_m = max(min(64, rows), 16, triton.next_power_of_2(group))  # at least one whole query per tile
+    if block_m >= 64:
+        return block_m, 64, 4, 2
+    block_n, num_warps, num_stages = _decode_config(head_dim, elem_size)
+    return block_m, block_n, num_warps, num_stages
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -396,6 +439,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -427,13 +471,13 @@ def _paged_decode_kernel(
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, start_n, end, k_head_ptr, v_head_ptr, block_table_ptr, qk_scale,
             stride_cb, stride_ct, stride_cd,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
     for start_n in range(full_end, end, BLOCK_N):  # the ragged last tile, if any
         acc, l_i, m_i = _attend_kv_tile(
             acc, l_i, m_i, q, q_pos, start_n, end, k_head_ptr, v_head_ptr, block_table_ptr, qk_scale,
             stride_cb, stride_ct, stride_cd,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # empty range (padding row / empty split): zeros
@@ -473,7 +517,9 @@ def _decode_reduce_kernel(
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: all weights become 0
     w = tl.exp2(lse - lse_max)
-    parts = tl.load(part_out_ptr + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_valid[:, None], other=0.0)
+    parts = tl.load(
+        part_out_ptr + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_valid[:, None], other=0.0
+    )
     w_sum = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
     o_off = seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d * stride_od
@@ -560,6 +606,7 @@ def _launch_decode(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_UPCAST=_dot_upcast(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -579,9 +626,9 @@ def _launch_decode(
 
 
 def _decode_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel: 64 keys x 128 dims of bf16 is 16 KB per K or V tile,
-    enough bytes in flight per program with 3-stage pipelining while several programs share an SM."""
-    block_n = 64 if head_dim * elem_size <= 256 else 32
+    """(BLOCK_N, num_warps, num_stages) for streaming K/V: 32 KB tiles (128 keys x 128 dims of bf16) with 4 warps and
+    3 stages read at ~99% of an H200's copy bandwidth for a 1024-sequence batch and beat 64-key tiles at batch 256."""
+    block_n = max(16, min(128, 32768 // (triton.next_power_of_2(head_dim) * elem_size)))
     return block_n, 4, 3
 
 
@@ -611,6 +658,10 @@ def _num_sms(device: torch.device) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 caches are for exactness checks: keep tl.dot in full precision rather than tf32.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and _INTERPRETED
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, kernel checks and the throughput table. Logs go to $OUT.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -x tests/gpu tests/model/test_triton_ops.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/tests.log"
+if [ -f benchmarks/attention_kernels.py ]; then
+  python3 benchmarks/attention_kernels.py --quick 2>&1 | tail -n 30 | tee "$OUT/kernels.log"
+fi
+python3 benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape ${THROUGHPUT_ARGS:-} --out "$OUT/throughput.json" 2>&1 \
+  | grep -v "Loading weights\|Writing model" | tee "$OUT/throughput.log"

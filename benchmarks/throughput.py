@@ -1,0 +1,258 @@
+"""W1 (rollout), W2 (GRPO groups), W3 (mixed) throughput, with Hugging Face baselines and the roofline of the same run.
+
+GPU:  python benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape
+CPU:  python benchmarks/throughput.py --device cpu --preset small --scale 0.03 --hf dynamic
+
+The roofline is computed for the batch schedule the engine actually ran: every step must at least read all weights
+and the KV of every scheduled sequence and write the new KV (bandwidth measured here by a large device copy), or do
+2 x params x tokens FLOP (matrix rate measured here by a large bf16 matmul), whichever takes longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.toy import make_model_dir
+
+
+@dataclass
+class StepLog:
+    steps: list[tuple[int, int, int]] = field(default_factory=list)  # (tokens computed, sum of context, batch)
+
+
+def measure_ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy bandwidth in B/s counting read + write, bf16 matmul FLOP/s)."""
+    if device.type != "cuda":
+        n = 1 << 26
+        a, b = torch.randn(n // 4), torch.empty(n // 4)
+        t = min(_time(lambda: b.copy_(a), device) for _ in range(5))
+        m = torch.randn(512, 512)
+        tm = min(_time(lambda: m @ m, device) for _ in range(5))
+        return 2 * a.numel() * 4 / t, 2 * 512**3 / tm
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    t = statistics.median(_time(lambda: b.copy_(a), device) for _ in range(10))
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    tm = statistics.median(_time(lambda: m @ m, device) for _ in range(10))
+    del a, b, m
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / t, 2 * 8192**3 / tm
+
+
+def _time(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def roofline_seconds(log: StepLog, weight_bytes: int, params: int, kv_bytes_per_token: int, bw: float, flops: float):
+    total = 0.0
+    for tokens, context, _ in log.steps:
+        moved = weight_bytes + context * kv_bytes_per_token + tokens * kv_bytes_per_token
+        total += max(moved / bw, 2 * params * tokens / flops)
+    return total
+
+
+def instrument(llm: LLM) -> StepLog:
+    """Record what every step computed (benchmark-only wrapper around the runner)."""
+    log = StepLog()
+    runner = llm.engine_core.runner
+    execute = runner.execute
+
+    def logged(scheduled):
+        tokens = sum(s.num_new_tokens for s in scheduled)
+        context = sum(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
+        log.steps.append((tokens, context, len(scheduled)))
+        return execute(scheduled)
+
+    runner.execute = logged
+    return log
+
+
+def workloads(name: str, vocab: int, scale: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand_prompt(n):
+        return {"prompt_token_ids": torch.randint(0, vocab - 3, (n,), generator=g).tolist()}
+
+    if name == "W1":
+        n = max(1, int(1024 * scale))
+        p_len, o_len = max(4, int(256 * scale**0.5)), max(4, int(256 * scale**0.5))
+        return [rand_prompt(p_len) for _ in range(n)], [
+            SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o_len, ignore_eos=True, seed=None)
+        ] * n
+    if name == "W2":
+        n = max(1, int(128 * scale))
+        p_len, o_len = max(4, int(512 * scale**0.5)), max(4, int(256 * scale**0.5))
+        return [rand_prompt(p_len) for _ in range(n)], [
+            SamplingParams(n=8, temperature=1.0, max_tokens=o_len, ignore_eos=True)
+        ] * n
+    if name == "W3":
+        n = max(1, int(256 * scale))
+        lo, hi = max(4, int(100 * scale**0.5)), max(8, int(1024 * scale**0.5))
+        ins = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+        outs = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+        return [rand_prompt(i) for i in ins], [
+            SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True) for o in outs
+        ]
+    raise ValueError(name)
+
+
+def run_engine(llm: LLM, prompts, params) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+def profile_host(llm: LLM, prompts, params) -> None:
+    """Where the wall time of a run goes, by Python function; time spent waiting on the GPU shows up in the
+    synchronising calls (tolist)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_engine(llm, prompts, params)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
+def run_hf(model_dir: str, device: torch.device, dtype: torch.dtype, mode: str, batch: int, in_len: int, out_len: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab - 3, (batch, in_len), device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=out_len, min_new_tokens=out_len)
+    if mode == "static":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead")
+        kwargs["cache_implementation"] = "static"
+    with torch.inference_mode():
+        model.generate(ids, **kwargs)  # warm-up (and compilation)
+        t = _time(lambda: model.generate(ids, **kwargs), device)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return batch * out_len / t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", default="qwen3-0.6b-shape")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's prompts (CPU runs)")
+    ap.add_argument("--hf", default="dynamic", help="comma list of HF baselines: dynamic, static, none")
+    ap.add_argument("--hf-batch", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--profile", action="store_true", help="cProfile the host side of the first workload")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+
+    model_dir = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=dtype))
+    bw, flops = measure_ceilings(device)
+    print(f"ceilings: copy {bw / 1e12:.3f} TB/s, matmul {flops / 1e12:.1f} TFLOP/s", flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model_dir,
+        dtype=dtype_name,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        max_model_len=2048,
+    )
+    startup = time.perf_counter() - t0
+    runner = llm.engine_core.runner
+    spec = runner.spec
+    params = sum(p.numel() for p in runner.model.parameters())
+    weight_bytes = params * dtype.itemsize
+    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    print(
+        f"engine start {startup:.1f}s; KV cache: {runner.num_blocks} blocks x {runner.bytes_per_block} B/block "
+        f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; fits {runner.num_blocks * runner.block_size // 512} "
+        f"sequences of 512 tokens; weights {weight_bytes / 1e9:.2f} GB",
+        flush=True,
+    )
+    log = instrument(llm)
+    rows = []
+    for name in args.workloads.split(","):
+        prompts, sps = workloads(name, spec.vocab_size, args.scale, seed=0)
+        warm = [dict(prompt_token_ids=p["prompt_token_ids"][:16]) for p in prompts[:8]]
+        llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
+        log.steps.clear()
+        hits0 = llm.engine_core.kv_cache.prefix_hits, llm.engine_core.kv_cache.prefix_queries
+        if args.profile and not rows:
+            profile_host(llm, prompts, sps)
+            log.steps.clear()
+        dt, out_tokens = run_engine(llm, prompts, sps)
+        roof = roofline_seconds(log, weight_bytes, params, kv_bytes_per_token, bw, flops)
+        hits = llm.engine_core.kv_cache.prefix_hits - hits0[0]
+        queries = llm.engine_core.kv_cache.prefix_queries - hits0[1]
+        row = dict(
+            workload=name,
+            seconds=dt,
+            output_tokens=out_tokens,
+            tok_s=out_tokens / dt,
+            roofline_s=roof,
+            roofline_tok_s=out_tokens / roof,
+            fraction=roof / dt,
+            steps=len(log.steps),
+            max_batch=max(b for _, _, b in log.steps),
+            prefix_hit_rate=hits / max(queries, 1),
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del llm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf_rows = []
+    for mode in [m for m in args.hf.split(",") if m and m != "none"]:
+        in_len = max(4, int(256 * args.scale**0.5))
+        tok_s = run_hf(
+            model_dir, device, dtype, mode, min(args.hf_batch, max(1, int(1024 * args.scale))), in_len, in_len
+        )
+        hf_rows.append(dict(baseline=f"hf-{mode}", tok_s=tok_s))
+        print(json.dumps(hf_rows[-1]), flush=True)
+    print(
+        f"\n{'workload':<8} {'out tok/s':>11} {'roofline tok/s':>15} {'of roofline':>12} {'steps':>6} {'hit rate':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['workload']:<8} {r['tok_s']:>11,.0f} {r['roofline_tok_s']:>15,.0f} {r['fraction']:>11.1%} "
+            f"{r['steps']:>6} {r['prefix_hit_rate']:>8.1%}"
+        )
+    for h in hf_rows:
+        ratio = rows[0]["tok_s"] / h["tok_s"] if rows else float("nan")
+        print(
+            f"{h['baseline']:<8} {h['tok_s']:>11,.0f}   (rlserve {rows[0]['workload'] if rows else ''} is {ratio:.1f}x)"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(rows=rows, hf=hf_rows, copy_bw=bw, matmul_flops=flops, device=str(device)), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

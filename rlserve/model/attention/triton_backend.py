@@ -1,0 +1,20 @@
+"""The CUDA attention backend: Triton kernels over the paged cache (decode gets the split-KV kernel)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlserve.model.attention.base import AttentionMetadata
+from rlserve.model.attention.triton_ops import paged_attention, paged_decode_attention, store_kv_cache
+
+
+class TritonBackend:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return paged_decode_attention(
+                q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, max_seq_len=meta.max_seq_len
+            )
+        return paged_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale, meta.max_seqlen_q
+        )

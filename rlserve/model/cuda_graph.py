@@ -1,0 +1,83 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with padded static inputs.
+
+Padding rows write nowhere (slot -1) and attend to nothing (seq_len 0). Graphs read the model's parameters by address,
+so weight updates must write in place (the loader does) and the graphs stay valid across updates. The LM head and the
+sampler run outside the graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
+from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_batch_size + 64, 64))
+    return sorted({min(s, max_batch_size) for s in sizes})
+
+
+class DecodeCUDAGraphs:
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        self.sizes = graph_batch_sizes(max_batch_size)
+        self.max_batch_size = max_batch_size
+        n = max_batch_size
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+                meta = AttentionMetadata(
+                    slot_mapping=self.slot_mapping[:bs],
+                    cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
+                    seq_lens=self.seq_lens[:bs],
+                    block_tables=self.block_tables[:bs],
+                    max_seqlen_q=1,
+                    max_seq_len=max_seq_len,
+                )
+                ctx = ForwardContext(meta, kv_caches, backend)
+                model(self.input_ids[:bs], self.positions[:bs], ctx)  # compile kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = model(self.input_ids[:bs], self.positions[:bs], ctx)
+                self.graphs[bs] = (graph, hidden)
+        torch.cuda.synchronize(device)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if bs > n:
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(0)
+        graph, hidden = self.graphs[bs]
+        graph.replay()
+        return hidden[:n]
