@@ -30,22 +30,18 @@ class StepLog:
 
 
 def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(copy bandwidth in B/s counting read + write, bf16 matmul FLOP/s)."""
-    if device.type != "cuda":
-        n = 1 << 26
-        a, b = torch.randn(n // 4), torch.empty(n // 4)
-        t = min(_time(lambda: b.copy_(a), device) for _ in range(5))
-        m = torch.randn(512, 512)
-        tm = min(_time(lambda: m @ m, device) for _ in range(5))
-        return 2 * a.numel() * 4 / t, 2 * 512**3 / tm
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    t = statistics.median(_time(lambda: b.copy_(a), device) for _ in range(10))
-    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    tm = statistics.median(_time(lambda: m @ m, device) for _ in range(10))
-    del a, b, m
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / t, 2 * 8192**3 / tm
+    """(copy bandwidth in B/s counting read + write, matmul FLOP/s: bf16 on CUDA, fp32 on CPU)."""
+    cuda = device.type == "cuda"
+    nbytes, dim = (1 << 30, 8192) if cuda else (1 << 26, 512)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    copy_s = statistics.median(_time(lambda: dst.copy_(src), device) for _ in range(10))
+    mat = torch.randn(dim, dim, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    matmul_s = statistics.median(_time(lambda: mat @ mat, device) for _ in range(10))
+    if cuda:
+        src = dst = mat = None
+        torch.cuda.empty_cache()
+    return 2 * nbytes / copy_s, 2 * dim**3 / matmul_s
 
 
 def _time(fn, device: torch.device) -> float:
@@ -143,11 +139,11 @@ def run_hf(model_dir: str, device: torch.device, dtype: torch.dtype, mode: str, 
         kwargs["cache_implementation"] = "static"
     with torch.inference_mode():
         model.generate(ids, **kwargs)  # warm-up (and compilation)
-        t = _time(lambda: model.generate(ids, **kwargs), device)
-    del model
+        seconds = _time(lambda: model.generate(ids, **kwargs), device)
+    model = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return batch * out_len / t
+    return batch * out_len / seconds
 
 
 def main() -> int:
@@ -191,8 +187,9 @@ def main() -> int:
     kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
     print(
         f"engine start {startup:.1f}s; KV cache: {runner.num_blocks} blocks x {runner.bytes_per_block} B/block "
-        f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; fits {runner.num_blocks * runner.block_size // 512} "
-        f"sequences of 512 tokens; weights {weight_bytes / 1e9:.2f} GB",
+        f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; "
+        f"fits {runner.num_blocks * runner.block_size // 512} sequences of 512 tokens; "
+        f"weights {weight_bytes / 1e9:.2f} GB",
         flush=True,
     )
     log = instrument(llm)
