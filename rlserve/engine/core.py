@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one step adds to one request."""
 

@@ -101,6 +101,8 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make the request's block table cover num_computed_tokens + num_new_tokens; False if blocks run out."""
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_table)
+        if needed <= 0:
+            return True
         if needed > self.num_free_blocks:
             return False
         if not request.block_table:
@@ -111,11 +113,11 @@ class KVCacheManager:
 
     def commit_full_blocks(self, request: Request) -> None:
         """Register blocks that became full after a step so later requests can share them."""
-        if not self.enable_prefix_caching or self.request_epoch.get(request.request_id) != self.epoch:
+        if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
         first = self.num_committed.get(request.request_id, 0)
-        if num_full <= first:
+        if num_full <= first or self.request_epoch.get(request.request_id) != self.epoch:
             return
         hashes = self._chain(request, num_full)
         bs = self.block_size

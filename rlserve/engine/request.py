@@ -70,12 +70,13 @@ class Request:
 
     def check_stop(self) -> RequestStatus | None:
         """Stop conditions that need no text: stop/EOS token ids and length limits."""
+        num_output = len(self.output_token_ids)
         last = self.output_token_ids[-1]
-        if not self.below_min_tokens and last in self.stop_ids:
+        if last in self.stop_ids and num_output >= self.sampling_params.min_tokens:
             self.stop_reason = (
                 None if last in self.eos_token_ids and last not in self.sampling_params.stop_token_ids else last
             )
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_output_tokens:
+        if num_output >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

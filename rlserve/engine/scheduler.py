@@ -27,7 +27,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int

@@ -1,0 +1,531 @@
+"""W4 weight sync: a full update of the model's weights from a trainer process into engine-side tensors.
+
+GPU, colocated:  python benchmarks/weight_sync.py --backend ipc --out ipc.json        (trainer and engine on cuda:0)
+GPU, two GPUs:   python benchmarks/weight_sync.py --backend nccl --out nccl.json      (trainer cuda:0, engine cuda:1)
+CPU:             python benchmarks/weight_sync.py --backend gloo                      (the nccl backend over gloo)
+
+The trainer is a separate process holding the model's weights as separate tensors with HF names; the engine side
+(this process) receives into its own preallocated tensors through a `load_weights` that copies, as the engine's
+loader does. The model is built from its shapes alone (no rlserve engine involved): by default `qwen3-0.6b-shape`
+(BENCHMARKS.md) in bf16, `small` for gloo. The target is zeroed before each configuration and checked bit for bit
+against the same weights regenerated here after it.
+
+Seconds are per full update (median): for ipc the trainer's `trainer_send_weights` call, which returns once the
+engine has loaded every chunk; for nccl/gloo from the engine's go signal until its `receive_weights` returned, the
+trainer sending concurrently. GB/s = model bytes / seconds. The ceiling measured in the same run: for ipc a device
+copy of the model's size (floor = bytes read + written at the copy bandwidth) and the per-tensor copy of all weights;
+for nccl/gloo a raw broadcast of the model's size over the same group. Memory (CUDA): peak allocated above each
+side's resident weights during the configuration, and allocated after the first and after the last update (after
+`torch.cuda.ipc_collect()`), which must be equal. The control channel is a pipe carrying JSON bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from rlserve.config import WeightTransferConfig
+from rlserve.weight_transfer import (
+    IPCTrainerSendWeightsArgs,
+    IPCWeightTransferEngine,
+    NCCLTrainerSendWeightsArgs,
+    NCCLWeightTransferEngine,
+)
+from rlserve.weight_transfer.base import dtype_name
+
+MIB = 1 << 20
+TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = True
+
+
+MODELS = {
+    "qwen3-0.6b-shape": ModelShape(151936, 1024, 3072, 28, 16, 8, 128),
+    "small": ModelShape(32000, 512, 1536, 8, 8, 4, 64),
+}
+
+DEFAULT_BUFFERS = {
+    "ipc": (512 * MIB, 1024 * MIB),
+    "nccl": (64 * MIB, 256 * MIB, 1024 * MIB),
+    "gloo": (4 * MIB, 16 * MIB),
+}
+DEFAULT_UPDATES = {"ipc": 100, "nccl": 20, "gloo": 10}
+
+
+def param_shapes(m: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen3's checkpoint tensors in checkpoint order (tied embeddings: no lm_head.weight)."""
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab, m.hidden))]
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    for i in range(m.layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (m.hidden,)),
+            (p + "self_attn.q_proj.weight", (q, m.hidden)),
+            (p + "self_attn.k_proj.weight", (kv, m.hidden)),
+            (p + "self_attn.v_proj.weight", (kv, m.hidden)),
+            (p + "self_attn.o_proj.weight", (m.hidden, q)),
+            (p + "self_attn.q_norm.weight", (m.head_dim,)),
+            (p + "self_attn.k_norm.weight", (m.head_dim,)),
+            (p + "post_attention_layernorm.weight", (m.hidden,)),
+            (p + "mlp.gate_proj.weight", (m.intermediate, m.hidden)),
+            (p + "mlp.up_proj.weight", (m.intermediate, m.hidden)),
+            (p + "mlp.down_proj.weight", (m.hidden, m.intermediate)),
+        ]
+    shapes.append(("model.norm.weight", (m.hidden,)))
+    if not m.tied:
+        shapes.append(("lm_head.weight", (m.vocab, m.hidden)))
+    return shapes
+
+
+def make_weights(m: ModelShape, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random bf16 weights from `seed`; the same on every device of one type (the generator is device-independent)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {
+        name: (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        for name, shape in param_shapes(m)
+    }
+
+
+# --- measurement helpers --------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class MemoryProbe:
+    """Allocator readings on one side of the transfer (CUDA only; None on CPU, whose allocator keeps no stats)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.enabled = device.type == "cuda"
+        self.resident = 0
+        self.first: int | None = None
+        self.last: int | None = None
+
+    def start(self) -> None:
+        if self.enabled:
+            torch.cuda.ipc_collect()
+            torch.cuda.synchronize(self.device)
+            self.resident = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.first = self.last = None
+
+    def after_update(self) -> None:
+        if self.enabled:
+            torch.cuda.ipc_collect()
+            allocated = torch.cuda.memory_allocated(self.device)
+            self.first = allocated if self.first is None else self.first
+            self.last = allocated
+
+    def report(self) -> dict[str, float | None]:
+        if not self.enabled:
+            return {"peak_extra_mib": None, "first_mib": None, "last_mib": None}
+        peak = torch.cuda.max_memory_allocated(self.device) - self.resident
+        return {"peak_extra_mib": peak / MIB, "first_mib": self.first / MIB, "last_mib": self.last / MIB}
+
+
+def copy_ceilings(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
+    """Device copy bandwidth (bytes read + written) over a buffer of the model's size, and the time to copy all
+    weights tensor by tensor (what an unpacked load has to do at least)."""
+    nbytes = sum(t.nbytes for t in weights.values())
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copies = {name: torch.empty_like(t) for name, t in weights.items()}
+
+    def timed(fn: Callable[[], None]) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def per_tensor() -> None:
+        for name, t in weights.items():
+            copies[name].copy_(t)
+
+    for _ in range(3):
+        timed(lambda: dst.copy_(src))
+        timed(per_tensor)
+    big = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(10))
+    each = statistics.median(timed(per_tensor) for _ in range(10))
+    return {"copy_bw_gbps": 2 * nbytes / big / 1e9, "copy_floor_s": big, "per_tensor_s": each}
+
+
+# --- control channel: JSON bytes over a pipe (no pickle) ----------------------------------------------------------
+
+
+def _send(conn: Connection, message: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _recv(conn: Connection) -> dict[str, Any]:
+    if not conn.poll(TIMEOUT_S):
+        raise TimeoutError("the other side of the benchmark went silent")
+    message = json.loads(conn.recv_bytes())
+    if "error" in message:
+        raise RuntimeError(f"trainer failed: {message['error']}")
+    return message
+
+
+def _request(conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
+    _send(conn, message)
+    return _recv(conn)
+
+
+# --- trainer process ----------------------------------------------------------------------------------------------
+
+
+def _trainer_main(conn: Connection, spec: str) -> None:
+    try:
+        _trainer(conn, json.loads(spec))
+    except Exception as e:
+        _send(conn, {"error": repr(e)})
+        raise
+
+
+def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["trainer_device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    weights = make_weights(MODELS[spec["model"]], device)
+    memory = MemoryProbe(device)
+    group = None
+    if spec["backend"] != "ipc":
+        group = NCCLWeightTransferEngine.trainer_init(
+            {"master_address": "127.0.0.1", "master_port": spec["port"], "world_size": 2, "timeout_s": TIMEOUT_S}
+        )
+    while True:
+        cmd = _recv(conn)
+        if cmd["cmd"] == "exit":
+            break
+        if cmd["cmd"] == "raw":  # the ceiling: one broadcast of the model's size
+            buf = torch.empty(cmd["nbytes"], dtype=torch.uint8, device=device)
+            for _ in range(cmd["reps"]):
+                _recv(conn)  # go
+                group.broadcast(buf).wait()
+                _sync(device)
+            del buf
+            continue
+        memory.start()
+        times = []
+        for _ in range(cmd["updates"]):
+            if spec["backend"] == "ipc":
+                args = IPCTrainerSendWeightsArgs(
+                    send_mode=lambda info: _request(conn, {"update_info": info}),
+                    packed=cmd["packed"],
+                    packed_buffer_size_bytes=cmd["buffer"],
+                )
+                t0 = time.perf_counter()
+                IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), args)
+            else:
+                _recv(conn)  # go
+                args = NCCLTrainerSendWeightsArgs(
+                    group=group,
+                    packed=cmd["packed"],
+                    packed_buffer_size_bytes=cmd["buffer"],
+                    packed_num_buffers=cmd["num_buffers"],
+                )
+                t0 = time.perf_counter()
+                NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), args)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            memory.after_update()
+        _send(conn, {"done": True, "times": times, "memory": memory.report()})
+    if group is not None:
+        group.shutdown()
+
+
+# --- engine side (this process) -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    backend: str
+    mode: str
+    buffer_mib: float | None
+    num_buffers: int | None
+    seconds: float
+    gbps: float
+    fraction: float
+    trainer_peak_extra_mib: float | None = None
+    engine_peak_extra_mib: float | None = None
+    trainer_mem_first_last_mib: tuple[float, float] | None = None
+    engine_mem_first_last_mib: tuple[float, float] | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _update_info(weights: dict[str, torch.Tensor], cmd: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "names": list(weights),
+        "dtype_names": [dtype_name(t.dtype) for t in weights.values()],
+        "shapes": [list(t.shape) for t in weights.values()],
+        "packed": cmd["packed"],
+        "packed_buffer_size_bytes": cmd["buffer"],
+        "packed_num_buffers": cmd["num_buffers"],
+    }
+
+
+def _configs(backend: str, buffers: list[int], updates: int) -> list[dict[str, Any]]:
+    if backend == "ipc":  # num_buffers has no meaning for ipc: one staging buffer
+        return [{"packed": False, "buffer": buffers[-1], "num_buffers": 1, "updates": updates}] + [
+            {"packed": True, "buffer": b, "num_buffers": 1, "updates": updates} for b in buffers
+        ]
+    return [
+        {"packed": packed, "buffer": b, "num_buffers": n, "updates": updates}
+        for packed in (False, True)
+        for b in buffers
+        for n in (1, 2)
+    ]
+
+
+def run(
+    backend: str, model: str, buffers: list[int], updates: int, threads: int | None
+) -> tuple[list[Row], dict[str, Any]]:
+    if backend == "ipc":
+        engine_device = trainer_device = torch.device("cuda", 0)
+    elif backend == "nccl":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--backend nccl needs two GPUs (NCCL refuses two ranks on one GPU); use ipc on one")
+        trainer_device, engine_device = torch.device("cuda", 0), torch.device("cuda", 1)
+    else:
+        engine_device = trainer_device = torch.device("cpu")
+    if engine_device.type == "cuda":
+        torch.cuda.set_device(engine_device)
+    if threads:
+        torch.set_num_threads(threads)
+
+    shape = MODELS[model]
+    expected = make_weights(shape, engine_device)
+    nbytes = sum(t.nbytes for t in expected.values())
+    target = {name: torch.zeros_like(t) for name, t in expected.items()}
+    info: dict[str, Any] = {
+        "backend": backend,
+        "model": model,
+        "tensors": len(expected),
+        "model_gb": nbytes / 1e9,
+        "device": torch.cuda.get_device_name(engine_device) if engine_device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "intra_op_threads": torch.get_num_threads(),
+    }
+    if backend == "ipc":
+        info.update(copy_ceilings(expected, engine_device))
+
+    def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            target[name].copy_(tensor)
+
+    port = _free_port()
+    spec = {"backend": backend, "model": model, "trainer_device": str(trainer_device), "port": port, "threads": threads}
+    ctx = multiprocessing.get_context("spawn")
+    engine_end, trainer_end = ctx.Pipe()
+    trainer = ctx.Process(target=_trainer_main, args=(trainer_end, json.dumps(spec)), daemon=True)
+    trainer.start()
+    config = WeightTransferConfig("ipc" if backend == "ipc" else "nccl")
+    if backend == "ipc":
+        engine: Any = IPCWeightTransferEngine(config, engine_device)
+        engine.init_transfer_engine(engine.parse_init_info({}))
+    else:
+        engine = NCCLWeightTransferEngine(config, engine_device, timeout_s=TIMEOUT_S)
+        engine.init_transfer_engine(
+            engine.parse_init_info({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
+        )
+    rows: list[Row] = []
+    try:
+        if backend != "ipc":
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=engine_device)
+            reps = max(3, updates // 2)
+            _send(engine_end, {"cmd": "raw", "nbytes": nbytes, "reps": reps})
+            raw = []
+            for _ in range(reps):
+                _send(engine_end, {"go": True})
+                t0 = time.perf_counter()
+                engine.group.broadcast(buf, src=0).wait()
+                _sync(engine_device)
+                raw.append(time.perf_counter() - t0)
+            del buf
+            info["raw_broadcast_s"] = statistics.median(raw[1:])
+            info["raw_broadcast_gbps"] = nbytes / info["raw_broadcast_s"] / 1e9
+        ceiling_s = info["copy_floor_s"] if backend == "ipc" else info["raw_broadcast_s"]
+
+        for cmd in _configs(backend, buffers, updates):
+            for t in target.values():
+                t.zero_()
+            memory = MemoryProbe(engine_device)
+            memory.start()
+            _send(engine_end, {"cmd": "run", **cmd})
+            engine_times = []
+            for _ in range(cmd["updates"]):
+                if backend == "ipc":
+                    while True:  # one message per chunk (packed) or one per update (unpacked)
+                        message = _recv(engine_end)
+                        update_info = engine.parse_update_info(message["update_info"])
+                        engine.receive_weights(update_info, load_weights)
+                        _send(engine_end, {"ok": True})
+                        if update_info.is_last_chunk:
+                            break
+                else:
+                    update_info = engine.parse_update_info(_update_info(expected, cmd))
+                    _send(engine_end, {"go": True})
+                    t0 = time.perf_counter()
+                    engine.receive_weights(update_info, load_weights)
+                    _sync(engine_device)
+                    engine_times.append(time.perf_counter() - t0)
+                memory.after_update()
+            done = _recv(engine_end)
+            times = done["times"] if backend == "ipc" else engine_times
+            seconds = statistics.median(times[1:] if len(times) > 1 else times)  # the first update warms up
+            trainer_mem, engine_mem = done["memory"], memory.report()
+            # Checked after the memory readings: torch.equal allocates temporaries of the largest tensor's size.
+            bad = [name for name, t in expected.items() if not torch.equal(target[name], t)]
+            if bad:
+                raise AssertionError(f"{cmd}: {len(bad)} tensors differ after the updates, e.g. {bad[:3]}")
+            rows.append(
+                Row(
+                    backend=backend,
+                    mode="packed" if cmd["packed"] else "unpacked",
+                    buffer_mib=cmd["buffer"] / MIB if cmd["packed"] or backend != "ipc" else None,
+                    num_buffers=cmd["num_buffers"] if backend != "ipc" else None,
+                    seconds=seconds,
+                    gbps=nbytes / seconds / 1e9,
+                    fraction=ceiling_s / seconds,
+                    trainer_peak_extra_mib=trainer_mem["peak_extra_mib"],
+                    engine_peak_extra_mib=engine_mem["peak_extra_mib"],
+                    trainer_mem_first_last_mib=_pair(trainer_mem),
+                    engine_mem_first_last_mib=_pair(engine_mem),
+                )
+            )
+            print(f"done: {cmd} -> {rows[-1].seconds:.4f} s", file=sys.stderr, flush=True)
+        _send(engine_end, {"cmd": "exit"})
+        trainer.join(TIMEOUT_S)
+    finally:
+        engine.shutdown()
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join(5)
+    return rows, info
+
+
+def _pair(memory: dict[str, float | None]) -> tuple[float, float] | None:
+    return None if memory["first_mib"] is None else (memory["first_mib"], memory["last_mib"])
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return "→".join(format(v, spec) for v in value)
+    return format(value, spec)
+
+
+def print_table(rows: list[Row], info: dict[str, Any]) -> None:
+    print(
+        f"\nW4 weight sync: backend={info['backend']} model={info['model']} ({info['tensors']} tensors, "
+        f"{info['model_gb']:.3f} GB) device={info['device']} torch={info['torch']} "
+        f"intra-op threads={info['intra_op_threads']}"
+    )
+    if info["backend"] == "ipc":
+        print(
+            f"ceiling: device copy {info['copy_bw_gbps']:.0f} GB/s (read+write) -> floor "
+            f"{info['copy_floor_s'] * 1e3:.3f} ms; per-tensor copy of all weights {info['per_tensor_s'] * 1e3:.3f} ms"
+        )
+    else:
+        print(
+            f"ceiling: raw broadcast of the model's size {info['raw_broadcast_s'] * 1e3:.3f} ms "
+            f"({info['raw_broadcast_gbps']:.2f} GB/s)"
+        )
+    header = (
+        "mode",
+        "buffer MiB",
+        "bufs",
+        "seconds",
+        "GB/s",
+        "of ceiling",
+        "trainer +MiB",
+        "engine +MiB",
+        "trainer MiB 1st→last",
+        "engine MiB 1st→last",
+    )
+    lines = [
+        (
+            r.mode,
+            _fmt(r.buffer_mib, ".0f"),
+            _fmt(r.num_buffers, "d"),
+            f"{r.seconds:.4f}",
+            f"{r.gbps:.2f}",
+            f"{r.fraction:.1%}",
+            _fmt(r.trainer_peak_extra_mib, ".0f"),
+            _fmt(r.engine_peak_extra_mib, ".0f"),
+            _fmt(r.trainer_mem_first_last_mib, ".0f"),
+            _fmt(r.engine_mem_first_last_mib, ".0f"),
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    for line in (header, *lines):
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("ipc", "nccl", "gloo"), required=True)
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default=None, help="default: qwen3-0.6b-shape (small for gloo)"
+    )
+    parser.add_argument("--buffer-mib", type=int, nargs="+", default=None, help="packed buffer sizes to try")
+    parser.add_argument("--updates", type=int, default=None, help="updates per configuration")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per process (default for gloo: 1; both processes and gloo's own threads share "
+        "the cores, and oversubscribed OpenMP copies ran 20x slower on a 2-core machine)",
+    )
+    parser.add_argument("--out", default=None, help="write the rows and the run's info as JSON")
+    args = parser.parse_args()
+    if args.backend in ("ipc", "nccl") and not torch.cuda.is_available():
+        raise SystemExit(f"--backend {args.backend} needs CUDA; --backend gloo runs on CPU")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
+    model = args.model or ("small" if args.backend == "gloo" else "qwen3-0.6b-shape")
+    buffers = [b * MIB for b in args.buffer_mib] if args.buffer_mib else list(DEFAULT_BUFFERS[args.backend])
+    updates = args.updates or DEFAULT_UPDATES[args.backend]
+    threads = args.threads or (1 if args.backend == "gloo" else None)
+    rows, info = run(args.backend, model, buffers, updates, threads)
+    print_table(rows, info)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"info": info, "rows": [asdict(r) for r in rows]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

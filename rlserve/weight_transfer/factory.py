@@ -1,0 +1,77 @@
+"""Name -> backend registry. Backends are imported only when first used, so an unused backend costs nothing."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from rlserve.config import WeightTransferConfig
+from rlserve.weight_transfer.base import WeightTransferEngine
+
+EngineLoader = Callable[[], type[WeightTransferEngine]]
+
+
+def _lazy_loader(module_path: str, class_name: str) -> EngineLoader:
+    def load() -> type[WeightTransferEngine]:
+        cls = getattr(importlib.import_module(module_path), class_name)
+        if not (isinstance(cls, type) and issubclass(cls, WeightTransferEngine)):
+            raise TypeError(f"{module_path}.{class_name} is not a WeightTransferEngine subclass")
+        return cls
+
+    return load
+
+
+class WeightTransferEngineFactory:
+    """Class-level registry, as in vLLM: `register_engine` from anywhere, then `create_engine` by config."""
+
+    _registry: ClassVar[dict[str, EngineLoader]] = {}
+
+    @classmethod
+    def register_engine(
+        cls,
+        name: str,
+        module_path_or_cls: str | type[WeightTransferEngine],
+        class_name: str | None = None,
+    ) -> None:
+        """Register `name` as a class, as `"module.path"` + `class_name`, or as `"module.path:ClassName"`."""
+        if name in cls._registry:
+            raise ValueError(f"Weight transfer engine {name!r} is already registered")
+        if isinstance(module_path_or_cls, str):
+            module_path = module_path_or_cls
+            if class_name is None:
+                module_path, sep, class_name = module_path.partition(":")
+                if not sep or not class_name:
+                    raise ValueError(
+                        f"register_engine({name!r}, {module_path_or_cls!r}) needs a class: pass class_name "
+                        "or use the 'module.path:ClassName' form"
+                    )
+            cls._registry[name] = _lazy_loader(module_path, class_name)
+        elif isinstance(module_path_or_cls, type) and issubclass(module_path_or_cls, WeightTransferEngine):
+            if class_name is not None:
+                raise ValueError("class_name is only used with a module path")
+            engine_cls = module_path_or_cls
+            cls._registry[name] = lambda: engine_cls
+        else:
+            raise TypeError(f"expected a WeightTransferEngine subclass or a module path, got {module_path_or_cls!r}")
+
+    @classmethod
+    def available_engines(cls) -> list[str]:
+        return sorted(cls._registry)
+
+    @classmethod
+    def get_engine_cls(cls, name: str) -> type[WeightTransferEngine]:
+        loader = cls._registry.get(name)
+        if loader is None:
+            raise ValueError(f"Invalid weight transfer backend: {name}. Available engines: {cls.available_engines()}")
+        return loader()
+
+    @classmethod
+    def create_engine(cls, config: WeightTransferConfig, device: torch.device | str) -> WeightTransferEngine:
+        return cls.get_engine_cls(config.backend)(config, torch.device(device))
+
+
+WeightTransferEngineFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLWeightTransferEngine")
+WeightTransferEngineFactory.register_engine("ipc", "rlserve.weight_transfer.ipc", "IPCWeightTransferEngine")

@@ -1,0 +1,433 @@
+"""CUDA IPC backend (`ipc`): a colocated trainer shares its GPU tensors with the engine on the same GPU.
+
+The trainer exports each tensor (or, packed, one staging buffer) with `torch.multiprocessing.reductions
+.reduce_tensor`; the engine maps it with `rebuild_cuda_tensor` (a zero-copy view) and loads from it. Handles travel
+as plain JSON-able data (`encode_rebuild_args`): never pickle, so an `update_weights` body cannot execute code.
+
+`ipc_handles` is keyed by GPU UUID (`str(torch.cuda.get_device_properties(i).uuid)`), so an FSDP trainer can merge
+the dicts of all its ranks and every engine worker picks its own GPU's entry.
+
+CUDA IPC bookkeeping: every export must be mapped and released exactly once by the receiver, or the trainer's
+memory stays pinned in torch's IPC limbo. Packed transfers export one buffer per sync; the engine maps it on the
+first chunk and releases it after the last one (`is_last_chunk`), when a different buffer arrives, or at shutdown.
+vLLM mapped it per chunk and leaked one buffer per sync (#51258).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from rlserve.config import WeightTransferConfig
+from rlserve.weight_transfer.base import (
+    LoadWeightsFn,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    dtype_from_name,
+    dtype_name,
+)
+from rlserve.weight_transfer.packed import as_bytes, tensor_metas, unpack_tensors
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
+HTTP_TIMEOUT_S = 300.0
+
+# --- Plain-data encoding of rebuild_cuda_tensor's arguments --------------------------------------------------------
+
+# The only classes a handle may name: a name outside these tables is refused, so decoding never imports or calls
+# anything the sender chose.
+_TENSOR_CLASSES: dict[str, type] = {"torch.Tensor": torch.Tensor, "torch.nn.Parameter": torch.nn.Parameter}
+_STORAGE_CLASSES: dict[str, type] = {
+    "torch.storage.TypedStorage": torch.storage.TypedStorage,
+    "torch.UntypedStorage": torch.UntypedStorage,
+}
+
+
+class _Codec(NamedTuple):
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+def _class_codec(table: dict[str, type]) -> _Codec:
+    names = {cls: name for name, cls in table.items()}
+
+    def encode(cls: type) -> str:
+        if cls not in names:
+            raise ValueError(f"cannot export {cls!r} over IPC: expected one of {sorted(table)}")
+        return names[cls]
+
+    def decode(value: Any) -> type:
+        if isinstance(value, type) and value in names:
+            return value
+        if isinstance(value, str) and value in table:
+            return table[value]
+        raise ValueError(f"class {value!r} is not allowed in an IPC handle: expected one of {sorted(table)}")
+
+    return _Codec(encode, decode)
+
+
+def _decode_int(value: Any) -> int:
+    if type(value) is not int:
+        raise ValueError(f"expected an int, got {value!r}")
+    return value
+
+
+def _decode_bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"expected a bool, got {value!r}")
+    return value
+
+
+def _decode_ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"expected a list of ints, got {value!r}")
+    return tuple(_decode_int(v) for v in value)
+
+
+def _encode_bytes(value: bytes | None) -> str | None:
+    return None if value is None else base64.b64encode(value).decode("ascii")
+
+
+def _decode_bytes(value: Any) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return base64.b64decode(value, validate=True)
+    raise ValueError(f"expected base64 text, got {value!r}")
+
+
+def _decode_dtype(value: Any) -> torch.dtype:
+    return value if isinstance(value, torch.dtype) else dtype_from_name(value)
+
+
+_INT = _Codec(int, _decode_int)
+_BOOL = _Codec(bool, _decode_bool)
+_BYTES = _Codec(_encode_bytes, _decode_bytes)
+# Positional, in rebuild_cuda_tensor's order, so index 6 is the storage device as in vLLM's handles.
+_REBUILD_ARGS: tuple[tuple[str, _Codec], ...] = (
+    ("tensor_cls", _class_codec(_TENSOR_CLASSES)),
+    ("tensor_size", _Codec(list, lambda v: torch.Size(_decode_ints(v)))),
+    ("tensor_stride", _Codec(list, _decode_ints)),
+    ("tensor_offset", _INT),
+    ("storage_cls", _class_codec(_STORAGE_CLASSES)),
+    ("dtype", _Codec(dtype_name, _decode_dtype)),
+    ("storage_device", _INT),
+    ("storage_handle", _BYTES),
+    ("storage_size_bytes", _INT),
+    ("storage_offset_bytes", _INT),
+    ("requires_grad", _BOOL),
+    ("ref_counter_handle", _BYTES),
+    ("ref_counter_offset", _INT),
+    ("event_handle", _BYTES),
+    ("event_sync_required", _BOOL),
+)
+_ARG_INDEX = {name: i for i, (name, _) in enumerate(_REBUILD_ARGS)}
+
+
+def encode_rebuild_args(args: Sequence[Any]) -> list[Any]:
+    """`reduce_tensor(t)[1]` -> a list of JSON values (classes and dtype by name, handles as base64 text)."""
+    if len(args) != len(_REBUILD_ARGS):
+        raise ValueError(f"expected {len(_REBUILD_ARGS)} rebuild_cuda_tensor arguments, got {len(args)}")
+    return [codec.encode(value) for (_, codec), value in zip(_REBUILD_ARGS, args, strict=True)]
+
+
+def decode_rebuild_args(data: Sequence[Any]) -> list[Any]:
+    """Inverse of `encode_rebuild_args`; also accepts the raw arguments (as an in-process caller would pass).
+    Refuses any class outside the allowlist and any field of the wrong type."""
+    if not isinstance(data, list | tuple) or len(data) != len(_REBUILD_ARGS):
+        raise ValueError(f"an IPC handle is a list of {len(_REBUILD_ARGS)} rebuild_cuda_tensor arguments")
+    decoded = []
+    for (name, codec), value in zip(_REBUILD_ARGS, data, strict=True):
+        try:
+            decoded.append(codec.decode(value))
+        except ValueError as e:
+            raise ValueError(f"bad IPC handle field {name!r}: {e}") from e
+    return decoded
+
+
+def gpu_uuid(device_index: int) -> str:
+    return str(torch.cuda.get_device_properties(device_index).uuid)
+
+
+def export_tensor(tensor: torch.Tensor) -> dict[str, list[Any]]:
+    """`{gpu_uuid: encoded rebuild args}` for a CUDA tensor. The tensor must stay alive until the engine is done."""
+    if not tensor.is_cuda:
+        raise ValueError(f"the ipc backend shares CUDA tensors, got one on {tensor.device}")
+    _, args = reduce_tensor(tensor)
+    return {gpu_uuid(tensor.device.index): encode_rebuild_args(args)}
+
+
+# --- Trainer side -------------------------------------------------------------------------------------------------
+
+SendFn = Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class IPCTrainerSendWeightsArgs:
+    """`send_mode` delivers one update_info dict to the engine and returns once it has been loaded: a callable (an
+    in-process `llm.update_weights(...)`, a pipe, a Ray call) or `"http"`, which POSTs `{"update_info": ...}` to
+    `{url}/update_weights` (with `api_key` as a bearer token, if given)."""
+
+    send_mode: SendFn | str
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    url: str | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.send_mode, str):
+            if self.send_mode != "http":
+                raise ValueError(f"send_mode must be a callable or 'http', got {self.send_mode!r}")
+            if not self.url:
+                raise ValueError("send_mode='http' needs `url` (the engine server's base URL)")
+        elif not callable(self.send_mode):
+            raise ValueError(f"send_mode must be a callable or 'http', got {self.send_mode!r}")
+        if self.packed_buffer_size_bytes < 1:
+            raise ValueError(f"packed_buffer_size_bytes must be >= 1, got {self.packed_buffer_size_bytes}")
+
+
+@contextlib.contextmanager
+def _sender(args: IPCTrainerSendWeightsArgs) -> Iterator[SendFn]:
+    if callable(args.send_mode):
+        yield args.send_mode
+        return
+    import httpx  # only the HTTP mode needs it
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = f"{args.url.rstrip('/')}/update_weights"
+    # One client per sync: packed chunks reuse its connection.
+    with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=headers) as client:
+        yield lambda update_info: client.post(url, json={"update_info": update_info}).raise_for_status()
+
+
+def _send_unpacked(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn) -> None:
+    keep_alive: list[torch.Tensor] = []  # the exports point into these: they must outlive the engine's load
+    names: list[str] = []
+    dtype_names: list[str] = []
+    shapes: list[list[int]] = []
+    handles: list[dict[str, list[Any]]] = []
+    for name, tensor in iterator:
+        shared = tensor.detach().contiguous()
+        keep_alive.append(shared)
+        names.append(name)
+        dtype_names.append(dtype_name(shared.dtype))
+        shapes.append(list(shared.shape))
+        handles.append(export_tensor(shared))
+    torch.cuda.synchronize()  # the engine reads the memory from its own process and streams
+    send({"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles})
+
+
+def _send_packed(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, buffer_size: int) -> None:
+    """Copy tensors into one staging buffer of exactly `buffer_size` bytes and send a chunk whenever the next tensor
+    would not fit (a chunk never exceeds the buffer). The buffer is exported once for the whole sync."""
+    buffer: torch.Tensor | None = None
+    handle: dict[str, list[Any]] = {}
+    chunk: dict[str, list[Any]] = {"names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []}
+    used = 0
+
+    def flush(is_last: bool) -> None:
+        torch.cuda.synchronize()  # the copies into the buffer must be complete before the engine reads it
+        send({**chunk, "ipc_handles": handle, "packed": True, "is_last_chunk": is_last})
+        for values in chunk.values():
+            values.clear()
+
+    for name, tensor in iterator:
+        size = tensor.nbytes
+        if size > buffer_size:
+            raise ValueError(
+                f"{name!r} has {size} bytes, more than the packed buffer ({buffer_size} bytes): raise "
+                "packed_buffer_size_bytes"
+            )
+        if buffer is None:
+            # Allocated and exported on the first tensor, so an empty update exports nothing nobody would release.
+            buffer = torch.empty(buffer_size, dtype=torch.uint8, device=tensor.device)
+            handle = export_tensor(buffer)
+        if used + size > buffer_size:
+            flush(is_last=False)  # send() returns after the engine loaded the chunk, so the buffer is free again
+            used = 0
+        buffer[used : used + size].copy_(as_bytes(tensor))
+        used += size
+        chunk["names"].append(name)
+        chunk["dtype_names"].append(dtype_name(tensor.dtype))
+        chunk["shapes"].append(list(tensor.shape))
+        chunk["tensor_sizes"].append(size)
+    if buffer is not None:
+        flush(is_last=True)
+
+
+# --- Engine side --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IPCWeightTransferInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: the handles come with each update."""
+
+
+@dataclass
+class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """Unpacked: `ipc_handles` is one `{gpu_uuid: encoded args}` per tensor. Packed: one such dict for the staging
+    buffer, `tensor_sizes` gives each tensor's bytes (laid out back to back), and `is_last_chunk` is False on every
+    chunk of a sync but the last."""
+
+    ipc_handles: list[dict[str, Any]] | dict[str, Any] | None = None
+    packed: bool = False
+    tensor_sizes: list[int] | None = None
+    ipc_handles_pickled: str | None = None
+    is_last_chunk: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ipc_handles_pickled is not None:
+            raise ValueError(
+                "`ipc_handles_pickled` is refused: rlserve never unpickles request data. Send `ipc_handles` as plain "
+                "data instead (rlserve's IPCWeightTransferEngine.trainer_send_weights does)"
+            )
+        if self.ipc_handles is None:
+            raise ValueError("`ipc_handles` is required")
+        # A single dict is a packed chunk's buffer; vLLM G3 trainers say `packed` in their config, not here.
+        self.packed = self.packed or isinstance(self.ipc_handles, dict)
+        count = len(self.names)
+        if self.packed:
+            if not isinstance(self.ipc_handles, dict):
+                raise ValueError("packed `ipc_handles` is one {gpu_uuid: handle} dict for the buffer")
+            if self.tensor_sizes is None or len(self.tensor_sizes) != count:
+                raise ValueError("packed updates need `tensor_sizes`, one per name")
+            expected = [m.nbytes for m in tensor_metas(self)]
+            if list(self.tensor_sizes) != expected:
+                raise ValueError(f"`tensor_sizes` {self.tensor_sizes} do not match the dtypes and shapes ({expected})")
+            handles = [self.ipc_handles]
+        else:
+            if not isinstance(self.ipc_handles, list) or len(self.ipc_handles) != count:
+                raise ValueError(f"`ipc_handles` should be a list of the same size as `names` ({count})")
+            handles = self.ipc_handles
+        for handle in handles:
+            if not isinstance(handle, dict) or not handle:
+                raise ValueError("each IPC handle is a non-empty {gpu_uuid: handle} dict")
+            for args in handle.values():
+                decode_rebuild_args(args)
+
+
+class _Mapping(NamedTuple):
+    """The trainer's staging buffer as mapped for the current sync, and which export it came from."""
+
+    export_id: tuple[Any, ...]
+    buffer: torch.Tensor
+
+
+class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo]):
+    """Needs the engine on a CUDA device, on the trainer's GPU. Needs no `init_transfer_engine` before updates."""
+
+    init_info_cls = IPCWeightTransferInitInfo
+    update_info_cls = IPCWeightTransferUpdateInfo
+
+    def __init__(self, config: WeightTransferConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self._mapping: _Mapping | None = None
+
+    def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo) -> None:
+        self._device_index()  # fail at the handshake, not at the first update, on a non-CUDA engine
+
+    def receive_weights(self, update_info: IPCWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
+        index = self._device_index()
+        if update_info.packed:
+            buffer = self._map_buffer(update_info.ipc_handles, index, required=True)
+            load_weights(unpack_tensors(buffer, tensor_metas(update_info)))
+        else:
+            tensors = []
+            for meta, handle in zip(tensor_metas(update_info), update_info.ipc_handles, strict=True):
+                tensor = self._rebuild(handle, index, required=True)
+                if tensor.dtype != meta.dtype or tuple(tensor.shape) != meta.shape:
+                    raise ValueError(
+                        f"IPC handle of {meta.name!r} is a {tuple(tensor.shape)} {tensor.dtype} tensor, update_info "
+                        f"says {meta.shape} {meta.dtype}"
+                    )
+                tensors.append((meta.name, tensor))
+            load_weights(tensors)
+        self._finish(update_info, index)
+
+    def discard_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
+        # Map and drop each export anyway: an export nobody maps stays pinned in the trainer (see module docstring).
+        index = self._device_index()
+        if update_info.packed:
+            self._map_buffer(update_info.ipc_handles, index, required=False)
+        else:
+            for handle in update_info.ipc_handles:
+                self._rebuild(handle, index, required=False)
+        self._finish(update_info, index)
+
+    def _finish(self, update_info: IPCWeightTransferUpdateInfo, index: int) -> None:
+        # The trainer overwrites the staging buffer (or frees its tensors) once this returns: every read of the
+        # shared memory, including the loader's copies, must be complete first.
+        torch.cuda.synchronize(index)
+        if update_info.packed and update_info.is_last_chunk:
+            self._release()
+
+    def _map_buffer(self, handle: dict[str, Any], index: int, required: bool) -> torch.Tensor | None:
+        args = self._local_args(handle, index, required)
+        if args is None:
+            return None
+        # The storage handle and offset name the buffer; the ref-counter slot names this export of it.
+        export_id = tuple(
+            args[_ARG_INDEX[f]]
+            for f in ("storage_handle", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset")
+        )
+        if self._mapping is not None and self._mapping.export_id != export_id:
+            self._release()  # a new sync started without the previous one's last chunk
+        if self._mapping is None:
+            self._mapping = _Mapping(export_id, rebuild_cuda_tensor(*args))
+        return self._mapping.buffer
+
+    def _rebuild(self, handle: dict[str, Any], index: int, required: bool) -> torch.Tensor | None:
+        args = self._local_args(handle, index, required)
+        return None if args is None else rebuild_cuda_tensor(*args)
+
+    def _local_args(self, handle: dict[str, Any], index: int, required: bool) -> list[Any] | None:
+        uuid = gpu_uuid(index)
+        if uuid not in handle:
+            if required:
+                raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {list(handle)}")
+            return None
+        args = decode_rebuild_args(handle[uuid])
+        args[_ARG_INDEX["storage_device"]] = index  # the trainer's device index need not be ours for the same GPU
+        return args
+
+    def _release(self) -> None:
+        # Dropping the last reference closes the mapping and releases the trainer's export.
+        self._mapping = None
+
+    def _device_index(self) -> int:
+        if self.device.type != "cuda":
+            raise RuntimeError(f"the ipc weight transfer backend needs the engine on a CUDA device, not {self.device}")
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def shutdown(self) -> None:
+        if self._mapping is not None:
+            torch.cuda.synchronize(self._mapping.buffer.device)
+        self._release()
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: IPCTrainerSendWeightsArgs | dict[str, Any]
+    ) -> None:
+        """Trainer side: export the tensors (CUDA tensors on the engine's GPU) and deliver the update
+        info(s) through `send_mode`. Source tensors (and the staging buffer) stay alive until this returns; then
+        `torch.cuda.ipc_collect()` frees whatever the engine has released."""
+        args = (
+            trainer_args
+            if isinstance(trainer_args, IPCTrainerSendWeightsArgs)
+            else IPCTrainerSendWeightsArgs(**trainer_args)
+        )
+        try:
+            with _sender(args) as send:
+                if args.packed:
+                    _send_packed(iterator, send, args.packed_buffer_size_bytes)
+                else:
+                    _send_unpacked(iterator, send)
+        finally:
+            torch.cuda.ipc_collect()

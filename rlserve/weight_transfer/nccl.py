@@ -1,0 +1,313 @@
+"""Broadcast backend (`nccl`): the trainer's rank 0 and every inference worker join one process group of their own.
+
+The group is stateless with respect to `torch.distributed`: a `TCPStore` rendezvous (the trainer, rank 0, serves
+it) and process-group backends built directly on that store, so neither process's default group is created or
+touched. CUDA tensors travel over NCCL and CPU tensors over gloo, through the same code; a backend is created for a
+device type the first time a tensor of that type is broadcast (on a CPU-only machine only gloo ever exists).
+
+Blocking: `init_transfer_engine` (engine) and `trainer_init` (trainer) each block until every rank has joined, and
+`receive_weights` blocks until `trainer_send_weights` has sent everything, so each pair must run concurrently: the
+trainer issues the engine call (HTTP, RPC) on a thread while it joins or sends on its own thread.
+
+Trainer side, with the engine's update metadata sent as `update_info` (names, dtype_names, shapes, packed...):
+
+    group = NCCLWeightTransferEngine.trainer_init({"master_address": host, "master_port": port, "world_size": 2})
+    NCCLWeightTransferEngine.trainer_send_weights(model.named_parameters(), NCCLTrainerSendWeightsArgs(group=group))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from rlserve.config import WeightTransferConfig
+from rlserve.weight_transfer.base import (
+    LoadWeightsFn,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from rlserve.weight_transfer.packed import as_bytes, receive_buckets, send_packed, tensor_metas
+
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
+DEFAULT_PACKED_NUM_BUFFERS = 2
+DEFAULT_TIMEOUT_S = 600.0
+_STORE_PREFIX = "rlserve/weight_transfer"
+
+
+class _Backend(Protocol):
+    """What is used of `ProcessGroupGloo` / `ProcessGroupNCCL` (c10d backends, which have no public common type)."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def shutdown(self) -> None: ...
+
+
+class WeightTransferGroup:
+    """A process group of its own over a `TCPStore`: `broadcast` picks NCCL for CUDA tensors, gloo for CPU ones."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._backends: dict[str, _Backend] = {}
+
+    @classmethod
+    def create(
+        cls, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> WeightTransferGroup:
+        """Join the group as `rank`; blocks until all `world_size` ranks have joined. Rank 0 serves the store."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            # multi_tenant: the trainer may already serve a store on this port (e.g. its own torch.distributed
+            # rendezvous); the prefix below keeps the two key spaces apart.
+            tcp_store = dist.TCPStore(
+                master_address,
+                master_port,
+                is_master=rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
+            store = dist.PrefixStore(_STORE_PREFIX, tcp_store)
+            # A store that outlives a group (multi-tenant, or a trainer that re-inits) still holds the previous
+            # group's keys: count arrivals and give each group its own generation prefix.
+            arrived = store.add("arrived", 1)
+            generation = (arrived - 1) // world_size
+            ready = f"{generation}/ready"
+            if arrived % world_size == 0:
+                store.set(ready, "1")
+            store.wait([ready], timeout)
+        except dist.DistError as e:
+            raise RuntimeError(
+                f"weight-transfer rendezvous at {master_address}:{master_port} (rank {rank} of {world_size}) did not "
+                f"complete within {timeout_s:g} s: {e}"
+            ) from e
+        return cls(dist.PrefixStore(str(generation), store), rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """Start an in-place broadcast of a contiguous tensor from rank `src`; returns its Work (wait() on it)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        return self._backend(tensor.device).broadcast([tensor], opts)
+
+    def _backend(self, device: torch.device) -> _Backend:
+        kind = device.type
+        backend = self._backends.get(kind)
+        if backend is None:
+            store = dist.PrefixStore(f"backend{len(self._backends)}", self.store)
+            self._check_same_device_type(store, kind)
+            if kind == "cuda":
+                backend = dist.ProcessGroupNCCL(store, self.rank, self.world_size, self.timeout)
+            elif kind == "cpu":
+                backend = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            else:
+                raise ValueError(f"weight transfer broadcasts CUDA (NCCL) or CPU (gloo) tensors, not {kind}")
+            self._backends[kind] = backend
+        return backend
+
+    def _check_same_device_type(self, store: dist.Store, kind: str) -> None:
+        # A trainer sending CPU tensors to an engine receiving on CUDA would build gloo on one side and NCCL on the
+        # other and hang until the timeout; compare first and fail with the reason instead.
+        store.set(f"device_type/{self.rank}", kind)
+        kinds = {r: store.get(f"device_type/{r}").decode() for r in range(self.world_size)}
+        if len(set(kinds.values())) > 1:
+            raise RuntimeError(
+                f"weight-transfer ranks disagree on the device type of the tensors (rank: type) {kinds}; the trainer "
+                "must send tensors on the same kind of device (cuda or cpu) as the engine receives into"
+            )
+
+    def shutdown(self) -> None:
+        for backend in self._backends.values():
+            backend.shutdown()
+        self._backends.clear()
+
+
+@dataclass
+class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
+    """Rendezvous parameters. `world_size` counts the trainer's rank 0 and every inference worker; a worker's rank is
+    `rank_offset` + its index. The packed fields are vLLM G3's handshake-time wire parameters; G1/G2 trainers send
+    them per update instead, which takes precedence."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master_address, str) or not self.master_address:
+            raise ValueError(f"master_address must be a host name or address, got {self.master_address!r}")
+        if type(self.master_port) is not int or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be an int in 1..65535, got {self.master_port!r}")
+        if type(self.world_size) is not int or self.world_size < 2:
+            raise ValueError(f"world_size must be an int >= 2 (trainer + workers), got {self.world_size!r}")
+        if type(self.rank_offset) is not int or not 1 <= self.rank_offset < self.world_size:
+            raise ValueError(f"rank_offset must be in 1..world_size-1, got {self.rank_offset!r}")
+        if self.packed_buffer_size_bytes < 1 or self.packed_num_buffers < 1:
+            raise ValueError("packed_buffer_size_bytes and packed_num_buffers must be >= 1")
+
+
+@dataclass
+class NCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """Metadata of the tensors the trainer broadcasts, in order. `packed_buffer_size_bytes` must equal the
+    trainer's; None takes the init info's value. The update is packed if this or the init info says so."""
+
+    packed: bool = False
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.packed_buffer_size_bytes is not None and self.packed_buffer_size_bytes < 1:
+            raise ValueError(f"packed_buffer_size_bytes must be >= 1, got {self.packed_buffer_size_bytes}")
+        if self.packed_num_buffers is not None and self.packed_num_buffers < 1:
+            raise ValueError(f"packed_num_buffers must be >= 1, got {self.packed_num_buffers}")
+
+
+@dataclass(frozen=True)
+class NCCLTrainerSendWeightsArgs:
+    """Trainer-side send parameters. `packed` and `packed_buffer_size_bytes` must match the update info the engine
+    gets; `post_iter_func` maps each `(name, tensor)` item to the tensor to send (default: the tensor); `stream` is
+    the CUDA stream for unpacked sends (default: the current one)."""
+
+    group: WeightTransferGroup
+    src: int = 0
+    post_iter_func: Callable[[tuple[str, torch.Tensor]], torch.Tensor] | None = None
+    packed: bool = False
+    stream: torch.cuda.Stream | None = None
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+
+def _discard(_: list[tuple[str, torch.Tensor]]) -> None:
+    """`load_weights` of a discarded update: the bytes were received, nothing is kept."""
+
+
+class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo]):
+    init_info_cls = NCCLWeightTransferInitInfo
+    update_info_cls = NCCLWeightTransferUpdateInfo
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        device: torch.device,
+        *,
+        worker_index: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """`worker_index`: this worker's index among the engine's workers (its rank is `rank_offset` + it).
+        `timeout_s`: how long the rendezvous and each broadcast may wait for the trainer."""
+        super().__init__(config, device)
+        self.worker_index = worker_index
+        self.timeout_s = timeout_s
+        self._group: WeightTransferGroup | None = None
+        self._init_info: NCCLWeightTransferInitInfo | None = None
+
+    @property
+    def group(self) -> WeightTransferGroup | None:
+        """The group joined by `init_transfer_engine` (None before it)."""
+        return self._group
+
+    def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
+        """Joins the trainer's group; blocks until the trainer (rank 0) has called `trainer_init`."""
+        self.shutdown()  # a second init (new trainer run) replaces the old group
+        rank = init_info.rank_offset + self.worker_index
+        self._group = WeightTransferGroup.create(
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, self.timeout_s
+        )
+        self._init_info = init_info
+
+    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
+        self._receive(update_info, load_weights)
+
+    def discard_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
+        self._receive(update_info, _discard)
+
+    def _receive(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
+        group, init = self._group, self._init_info
+        if group is None or init is None:
+            raise self._not_initialized()
+        receive_buckets(
+            tensor_metas(update_info),
+            lambda t: group.broadcast(t, src=0),
+            load_weights,
+            _first_set(update_info.packed_buffer_size_bytes, init.packed_buffer_size_bytes),
+            _first_set(update_info.packed_num_buffers, init.packed_num_buffers),
+            self.device,
+            packed=update_info.packed or init.packed,
+        )
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+        self._group = None
+        self._init_info = None
+
+    @staticmethod
+    def trainer_init(init_info: Mapping[str, Any]) -> WeightTransferGroup:
+        """Trainer side: join (and serve) the group as rank 0. Reads `master_address`, `master_port`, `world_size`
+        and, optionally, `timeout_s`; other keys (the engine's `rank_offset`, packed fields) are ignored. Blocks
+        until every worker has joined, so issue the engines' `init_weight_transfer_engine` concurrently."""
+        return WeightTransferGroup.create(
+            init_info["master_address"],
+            int(init_info["master_port"]),
+            0,
+            int(init_info["world_size"]),
+            float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        )
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: NCCLTrainerSendWeightsArgs | dict[str, Any]
+    ) -> None:
+        """Trainer side: broadcast the tensors in iteration order (the order of the engine's update_info). Returns
+        once every broadcast has completed."""
+        args = (
+            trainer_args
+            if isinstance(trainer_args, NCCLTrainerSendWeightsArgs)
+            else NCCLTrainerSendWeightsArgs(**trainer_args)
+        )
+        post = args.post_iter_func or (lambda item: item[1])
+        group = args.group
+        if args.packed:
+            send_packed(
+                (post(item) for item in iterator),
+                lambda t: group.broadcast(t, src=args.src),
+                args.packed_buffer_size_bytes,
+                args.packed_num_buffers,
+            )
+            return
+        last_stream: torch.cuda.Stream | None = None
+        for item in iterator:
+            tensor = post(item)
+            if not tensor.is_cuda:
+                group.broadcast(as_bytes(tensor), src=args.src).wait()
+                continue
+            current = torch.cuda.current_stream(tensor.device)
+            stream = args.stream or current
+            if stream != current:
+                # A side stream must see the tensor finished, and the allocator must not recycle a temporary
+                # tensor on the current stream while the side stream still reads it.
+                stream.wait_stream(current)
+                tensor.record_stream(stream)
+            with torch.cuda.stream(stream):
+                group.broadcast(as_bytes(tensor), src=args.src).wait()  # on CUDA a stream wait, not a host wait
+            last_stream = stream
+        if last_stream is not None:
+            last_stream.synchronize()
+
+
+def _first_set(value: int | None, default: int) -> int:
+    return default if value is None else value
