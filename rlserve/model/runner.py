@@ -186,7 +186,9 @@ class ModelRunner:
                 seq_lens=seq_lens_t,
                 block_tables=block_tables,
                 max_seqlen_q=max(query_lens),
-                max_seq_len=max_seq_len,
+                # Decode kernels pick their KV split from this bound: the graphs' bound, so eager and graph decode
+                # split (and round) identically.
+                max_seq_len=self.max_model_len if is_decode else max_seq_len,
                 query_lens_cpu=query_lens,
                 seq_lens_cpu=seq_lens,
             )
@@ -232,10 +234,8 @@ class ModelRunner:
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         vocab = self.spec.vocab_size
-        dev = self.device
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
+        column = self._host_tensor
 
         any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy, strict=True))
         any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True))

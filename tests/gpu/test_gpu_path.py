@@ -13,16 +13,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40, 70, 129)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # A peaked distribution (scaled LM head) so greedy choices are not near-ties that rounding could flip.
-    path = make_model_dir(tmp_path_factory.mktemp("gpu"), preset="small", seed=3)
+def _scaled_head_model(path, factor: float) -> str:
+    """A small model whose LM head is scaled: the larger the factor, the more peaked its distribution."""
     from safetensors.torch import load_file, save_file
 
+    make_model_dir(path, preset="small", seed=3)
     weights = load_file(str(path / "model.safetensors"))
-    weights["lm_head.weight"] *= 8
+    weights["lm_head.weight"] *= factor
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # Peaked (head x8) so greedy choices are not near-ties that rounding could flip.
+    return _scaled_head_model(tmp_path_factory.mktemp("gpu"), 8.0)
 
 
 def _greedy(llm: LLM, logprobs: int | None = None):
@@ -36,10 +41,11 @@ def test_greedy_fp32_cuda_equals_cpu_reference(model_dir):
     assert [c.token_ids for c in gpu] == [c.token_ids for c in cpu]
 
 
-def test_bf16_logprobs_close_to_reference_backend(model_dir):
-    # The LM head runs in fp32 on both sides: rounding bf16 logits adds up to ~3e-2 by itself on this peaked model, and
-    # that rounding is the same formula on both paths; what is compared here is the attention, cache and graph path.
-    common = dict(dtype="bfloat16", device="cuda", num_kv_blocks=512, lm_head_dtype="float32")
+def test_bf16_logprobs_close_to_reference_backend(tmp_path):
+    # Head x2: peaked enough that logprobs vary (entropy well below uniform), not so much that bf16 rounding of the
+    # hidden states, which differs between any two bf16 kernels, is multiplied into large logit differences.
+    model_dir = _scaled_head_model(tmp_path, 2.0)
+    common = dict(dtype="bfloat16", device="cuda", num_kv_blocks=512)
     fast = _greedy(LLM(model_dir, **common), logprobs=0)
     ref = _greedy(LLM(model_dir, attention_backend="torch", enforce_eager=True, **common), logprobs=0)
     compared, worst = 0, 0.0
@@ -50,7 +56,7 @@ def test_bf16_logprobs_close_to_reference_backend(model_dir):
             worst = max(worst, abs(lp_f[t_f].logprob - lp_r[t_r].logprob))
             compared += 1
     assert compared >= 100
-    assert worst <= 2e-2
+    assert worst <= 2e-2, f"max |logprob difference| {worst:.4f} over {compared} tokens"
 
 
 def test_cuda_graphs_match_eager(model_dir):

@@ -1,0 +1,545 @@
+"""Train/inference parity: how far the engine's logprobs of sampled tokens are from a trainer's forward on them.
+
+`compare_logprobs` is what a trainer calls on its own batches (engine logprobs from the rollouts, its own logprobs of
+the same tokens). `trainer_logprobs` computes the trainer side for a Hugging Face model or rlserve's own decoder run in
+training mode (`rlserve.rl.train_forward`). `run_parity` and `rlserve parity` sample rollouts with rlserve and measure
+three known sources of mismatch:
+
+- raw_vs_processed: at temperature != 1 the engine's `raw_logprobs` (the model's distribution) are not the
+  distribution it sampled from; `processed_logprobs` are. The trainer side is the processed (sampled) distribution.
+- lm_head: a 16-bit engine with its LM head in the model dtype vs in fp32 (`lm_head_dtype="float32"`).
+- prefix_cache: a weight update between two rounds of prompts that share a long prefix. rlserve resets the prefix
+  cache on every update ("reset"); "off" runs without prefix caching; "stale" shows the bug the reset prevents by
+  writing the new weights through the runner, which leaves KV computed under the old weights in the cache.
+
+The trainer side always scores the processed distribution: the behaviour policy of the importance ratio is the
+distribution that was sampled from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlserve.engine.llm import LLM, load_tokenizer
+from rlserve.model.loader import checkpoint_files, iterate_checkpoint
+from rlserve.model.models.llama import DecoderForCausalLM
+from rlserve.model.sampler import apply_top_k_top_p
+from rlserve.rl.train_forward import forward_hidden, load_training_model
+from rlserve.sampling_params import SamplingParams
+from rlserve.toy import make_model_dir
+
+SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache")
+RATIO_BAND = (0.9, 1.1)
+# Random models give near-uniform next-token distributions, where every logprob is about -log(vocab) and mismatches
+# look smaller than on a trained model. Scaling the logits by these factors (powers of two) brings the mean entropy of
+# the toys' next-token distributions to 2-3 nats (uniform: 5.6 for the toy vocabulary, 11.9 for Qwen3's), with top-1
+# probabilities of 0.3-0.5: about as peaked as a trained model's.
+HEAD_SCALES = {"tiny": 16.0, "small": 16.0, "qwen3-0.6b-shape": 8.0}
+GREEDY_TEMPERATURE = 1e-5  # SamplingParams.greedy: below it the engine takes the argmax and reports raw values
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+LogprobsLike = torch.Tensor | Sequence[torch.Tensor | Sequence[float]]
+TokenIds = Sequence[Sequence[int]]
+T = TypeVar("T")
+
+
+# ---- statistics ----
+
+
+@dataclass(frozen=True)
+class ParityStats:
+    """Engine vs trainer logprobs of the same tokens; r = trainer - engine per token, ratio w = exp(r)."""
+
+    mean_abs_diff: float
+    max_abs_diff: float
+    k3_kl: float  # mean(w - 1 - r): an unbiased, non-negative estimate of KL(behaviour || trainer)
+    mean_ratio: float
+    frac_outside: float  # share of tokens with w outside RATIO_BAND
+    ess: float  # (sum w)^2 / (n sum w^2), in (0, 1]: 1 when all ratios are equal
+    num_tokens: int
+
+
+def _flatten(values: LogprobsLike) -> tuple[torch.Tensor, list[int] | torch.Size]:
+    """Values as one float64 vector, and the layout (tensor shape, or per-sequence lengths) to check pairs against."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.float64).reshape(-1), values.shape
+    parts = [torch.as_tensor(v).detach().to("cpu", torch.float64).reshape(-1) for v in values]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
+    return flat, [len(p) for p in parts]
+
+
+def compare_logprobs(
+    engine_logprobs: LogprobsLike, trainer_logprobs: LogprobsLike, mask: LogprobsLike | None = None
+) -> ParityStats:
+    """Statistics over the tokens of a batch: padded tensors [B, T] with a mask, or ragged per-sequence lists.
+
+    The mask (same layout; nonzero = a completion token) drops padding; without it every value counts. Computed in
+    float64. A token the trainer's processed distribution excludes (-inf) gives infinite max |Δ| and k3 KL on purpose.
+    """
+    engine, layout = _flatten(engine_logprobs)
+    trainer, trainer_layout = _flatten(trainer_logprobs)
+    if list(layout) != list(trainer_layout):
+        raise ValueError(f"engine and trainer logprobs differ in layout: {list(layout)} vs {list(trainer_layout)}")
+    if mask is not None:
+        keep, mask_layout = _flatten(mask)
+        if list(mask_layout) != list(layout):
+            raise ValueError(f"mask layout {list(mask_layout)} differs from the logprobs' {list(layout)}")
+        engine, trainer = engine[keep != 0], trainer[keep != 0]
+    n = engine.numel()
+    if n == 0:
+        raise ValueError("no tokens to compare")
+    r = trainer - engine
+    w = r.exp()
+    low, high = RATIO_BAND
+    return ParityStats(
+        mean_abs_diff=float(r.abs().mean()),
+        max_abs_diff=float(r.abs().max()),
+        k3_kl=float((w - 1 - r).mean()),
+        mean_ratio=float(w.mean()),
+        frac_outside=float(((w < low) | (w > high)).double().mean()),
+        ess=float(w.sum() ** 2 / (n * (w * w).sum())),
+        num_tokens=n,
+    )
+
+
+# ---- the trainer side ----
+
+
+def _hf_completion_logits(model: nn.Module, prompt: Sequence[int], completion: Sequence[int]) -> torch.Tensor:
+    ids = torch.tensor([[*prompt, *completion]], device=model.device)
+    # Row P - 1 + j predicts completion token j; the last row predicts past the sequence and is dropped.
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(completion) + 1).logits
+    return logits[0, :-1]
+
+
+def _token_logprobs(
+    logits: torch.Tensor, targets: Sequence[int], temperature: float, top_k: int, top_p: float, processed: bool
+) -> torch.Tensor:
+    logits = logits.float()  # the engine's sampler also works in fp32 on whatever the LM head produced
+    if processed and temperature >= GREEDY_TEMPERATURE:
+        # The engine's order: temperature, then top-k, then top-p (rlserve.model.sampler).
+        logits = logits / temperature
+        n = logits.shape[0]
+        k = torch.full((n,), top_k, device=logits.device) if top_k > 0 else None
+        p = torch.full((n,), top_p, device=logits.device) if top_p < 1.0 else None
+        if k is not None or p is not None:
+            logits = apply_top_k_top_p(logits, k, p)
+    index = torch.tensor(list(targets), dtype=torch.long, device=logits.device).unsqueeze(-1)
+    return logits.log_softmax(-1).gather(-1, index).squeeze(-1)
+
+
+def trainer_logprobs(
+    model: nn.Module,
+    prompt_ids: TokenIds,
+    completion_ids: TokenIds,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    processed: bool = False,
+) -> list[torch.Tensor]:
+    """Logprobs of each completion's tokens from one full-sequence forward, as a trainer computes them.
+
+    `model`: a Hugging Face causal LM (one forward per sequence, so no padding enters the numerics) or rlserve's
+    `DecoderForCausalLM` (all sequences packed into one forward through `train_forward.ContiguousAttention`).
+    processed=False: log_softmax of the logits (the engine's raw_logprobs). processed=True: of the distribution the
+    engine sampled from, after temperature, top-k and top-p (its processed_logprobs). Returns one float32 tensor per
+    completion; gradients flow unless the caller disables them.
+    """
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"got {len(prompt_ids)} prompts and {len(completion_ids)} completions")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompt_ids: every prompt needs at least one token")
+    if isinstance(model, DecoderForCausalLM):
+        hidden = forward_hidden(model, [[*p, *c] for p, c in zip(prompt_ids, completion_ids, strict=True)])
+        logits = [
+            model.compute_logits(h[len(p) - 1 : len(p) - 1 + len(c)])
+            for h, p, c in zip(hidden, prompt_ids, completion_ids, strict=True)
+        ]
+    else:
+        logits = [_hf_completion_logits(model, p, c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    return [
+        _token_logprobs(x, c, temperature, top_k, top_p, processed) for x, c in zip(logits, completion_ids, strict=True)
+    ]
+
+
+def load_trainer(model_dir: str | Path, trainer: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """trainer="hf": Hugging Face transformers; "rlserve": rlserve's decoder in training mode."""
+    if trainer == "hf":
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    if trainer == "rlserve":
+        return load_training_model(model_dir, dtype, device)
+    raise ValueError(f"trainer must be 'hf' or 'rlserve', got {trainer!r}")
+
+
+@torch.no_grad()
+def _write_trainer_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> None:
+    if isinstance(model, DecoderForCausalLM):
+        model.load_weights(weights)
+        return
+    for name, tensor in weights:
+        model.get_parameter(name).copy_(tensor)
+
+
+# ---- models and prompts ----
+
+
+def make_peaked_model_dir(
+    path: str | Path,
+    preset: str = "small",
+    head_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Path:
+    """A random Qwen3 toy (rlserve.toy) whose logits are multiplied by head_scale (default: HEAD_SCALES[preset]).
+
+    The scale goes into the final RMSNorm weight, which feeds only the LM head: the logits are exactly those of an LM
+    head scaled by head_scale (exactly in any dtype for a power of two), and a tied input embedding stays unchanged.
+    """
+    head_scale = HEAD_SCALES[preset] if head_scale is None else head_scale
+    path = make_model_dir(path, "Qwen3ForCausalLM", preset=preset, seed=seed, dtype=dtype)
+    for file in checkpoint_files(str(path)):
+        tensors = load_file(file)
+        if "model.norm.weight" in tensors:
+            tensors["model.norm.weight"] = tensors["model.norm.weight"] * head_scale
+            save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def random_prompts(model_dir: str | Path, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids below the vocabulary size of both the model and its tokenizer."""
+    vocab = min(AutoConfig.from_pretrained(str(model_dir)).vocab_size, len(load_tokenizer(str(model_dir))))
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+
+
+@dataclass(frozen=True)
+class Peakedness:
+    """Of a model's next-token distributions (temperature 1): how far from flat a parity test's model is."""
+
+    entropy: float  # mean entropy, nats
+    top1: float  # mean probability of the most likely token
+    uniform_entropy: float  # log(vocab): the entropy of a flat distribution
+
+
+@torch.inference_mode()
+def peakedness(model_dir: str | Path, prompts: TokenIds, device: str = "cpu") -> Peakedness:
+    """Measured with transformers in fp32 at every prompt position."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    entropies, top1s = [], []
+    for p in prompts:
+        logprobs = model(input_ids=torch.tensor([list(p)], device=device), use_cache=False).logits[0].log_softmax(-1)
+        entropies.append(-(logprobs.exp() * logprobs).sum(-1).cpu())
+        top1s.append(logprobs.max(-1).values.exp().cpu())
+    return Peakedness(
+        entropy=float(torch.cat(entropies).mean()),
+        top1=float(torch.cat(top1s).mean()),
+        uniform_entropy=math.log(model.config.vocab_size),
+    )
+
+
+def perturbed_weights(model_dir: str | Path, scale: float, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights plus Gaussian noise of `scale` times each tensor's RMS: a stand-in optimizer step."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for name, tensor in iterate_checkpoint(str(model_dir)):
+        t = tensor.float()
+        noise = torch.randn(t.shape, generator=generator) * (scale * float(t.pow(2).mean().sqrt()))
+        out.append((name, (t + noise).to(tensor.dtype)))
+    return out
+
+
+# ---- engine rollouts ----
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]  # the engine's logprob of each completion token
+    num_cached_tokens: list[int]  # prefix-cache hits of each request
+
+
+@dataclass(frozen=True)
+class SamplingSetup:
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+
+    def params(self, seed: int) -> SamplingParams:
+        """Seeded per request, so a run is reproducible; fixed lengths (EOS ignored); only the sampled token's
+        logprob; no detokenization (random-token prompts need not be text)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            seed=seed,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        )
+
+
+def sample_rollouts(llm: LLM, prompts: TokenIds, sampling: SamplingSetup, seed: int) -> Rollouts:
+    """One round; request i samples with seed + i."""
+    outputs = llm.generate(
+        [{"prompt_token_ids": list(p)} for p in prompts],
+        [sampling.params(seed + i) for i in range(len(prompts))],
+        use_tqdm=False,
+    )
+    samples = [o.outputs[0] for o in outputs]
+    return Rollouts(
+        prompt_ids=[list(p) for p in prompts],
+        completion_ids=[list(s.token_ids) for s in samples],
+        logprobs=[[lp[t].logprob for lp, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples],
+        num_cached_tokens=[o.num_cached_tokens for o in outputs],
+    )
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    model_dir: str
+    device: str
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, work: Callable[[LLM], T], **kwargs: Any) -> T:
+        """Start an engine, run `work` on it, and free it before returning, so that engines (each with its KV cache
+        and CUDA graphs) never coexist on the device. `extra` overrides the sizes, `kwargs` override `extra`."""
+        sizes = dict(num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len)
+        llm = LLM(self.model_dir, device=self.device, **(sizes | self.extra | kwargs))
+        try:
+            return work(llm)
+        finally:
+            llm.shutdown()
+            del llm
+            gc.collect()
+            if torch.device(self.device).type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ---- the scenarios ----
+
+
+def run_parity(
+    model_dir: str | Path,
+    prompts: TokenIds,
+    *,
+    scenarios: Iterable[str] = SCENARIOS,
+    max_tokens: int = 32,
+    temperature: float = 0.7,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    device: str = "cpu",
+    dtype: str = "float32",
+    trainer: str = "hf",
+    trainer_dtype: str = "float32",
+    seed: int = 0,
+    shared_prefix_len: int = 64,
+    update_scale: float = 0.05,
+    **engine_kwargs: Any,
+) -> dict[str, ParityStats]:
+    """Sample rollouts with rlserve per scenario and compare their logprobs with the trainer's; rows by name.
+
+    The engine runs in `dtype`, except the lm_head scenario, which is about a 16-bit engine: it uses `dtype` if that is
+    16-bit and bfloat16 otherwise. The trainer (`trainer` = "hf" or "rlserve", in `trainer_dtype`) is the reference and
+    always scores the processed distribution. Rows:
+      raw_vs_processed/raw, raw_vs_processed/processed      engine logprobs_mode raw_logprobs / processed_logprobs
+      lm_head/<bf16|fp16>, lm_head/fp32                     engine LM head in the model dtype / in fp32
+      prefix_cache/reset, prefix_cache/off, prefix_cache/stale
+    For prefix_cache the prompts get a shared prefix of `shared_prefix_len` random tokens, and the weight update adds
+    noise of `update_scale` x RMS to every tensor (trainer and engine get the same new weights). `engine_kwargs` go to
+    every `LLM` (e.g. attention_backend, enforce_eager).
+    """
+    scenarios = set(scenarios)
+    unknown = scenarios - set(SCENARIOS)
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {sorted(unknown)}; known: {list(SCENARIOS)}")
+    if dtype not in _DTYPES or trainer_dtype not in _DTYPES:
+        raise ValueError(f"dtype and trainer_dtype must be one of {list(_DTYPES)}, got {dtype!r}, {trainer_dtype!r}")
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt")
+    model_dir = str(model_dir)
+    sampling = SamplingSetup(max_tokens, temperature, top_k, top_p)
+    prefix = random_prompts(model_dir, 1, shared_prefix_len, seed=seed + 1)[0]
+    shared = [prefix + p for p in prompts]
+    # A KV cache with room for every sequence twice over: the second round's new blocks then come from never-used
+    # ones, so the first round's cached prefix is not evicted before the stale-cache round can hit it. Sized here
+    # rather than from free memory, so a GPU run needs no profiling pass and engines start quickly one after another.
+    block_size = engine_kwargs.get("block_size", 16)
+    blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in shared)
+    max_len = max(len(p) for p in shared) + max_tokens
+    engines = EngineSetup(model_dir, device, 2 * blocks, min(len(prompts), 256), max_len, engine_kwargs)
+    reference = load_trainer(model_dir, trainer, _DTYPES[trainer_dtype], device)
+
+    def score(rollouts: Rollouts) -> ParityStats:
+        with torch.inference_mode():
+            mine = trainer_logprobs(
+                reference, rollouts.prompt_ids, rollouts.completion_ids, temperature, top_k, top_p, processed=True
+            )
+        return compare_logprobs(rollouts.logprobs, mine)
+
+    def sample_once(llm: LLM) -> Rollouts:
+        return sample_rollouts(llm, prompts, sampling, seed)
+
+    results: dict[str, ParityStats] = {}
+    if "raw_vs_processed" in scenarios:
+        for mode in ("raw", "processed"):
+            rollouts = engines.run(sample_once, dtype=dtype, logprobs_mode=f"{mode}_logprobs")
+            results[f"raw_vs_processed/{mode}"] = score(rollouts)
+    if "lm_head" in scenarios:
+        half = dtype if dtype != "float32" else "bfloat16"
+        for head, lm_head_dtype in ((half, None), ("float32", "float32")):
+            rollouts = engines.run(
+                sample_once, dtype=half, logprobs_mode="processed_logprobs", lm_head_dtype=lm_head_dtype
+            )
+            results[f"lm_head/{_SHORT[head]}"] = score(rollouts)
+    if "prefix_cache" in scenarios:
+        old = list(iterate_checkpoint(model_dir))
+        new = perturbed_weights(model_dir, update_scale, seed)
+
+        def across_update(llm: LLM) -> dict[str, Rollouts]:
+            sample_rollouts(llm, shared, sampling, seed)  # fills the prefix cache under the old weights
+            # The runner's loader writes the weights but, unlike LLM.load_weights, leaves the prefix cache alone.
+            llm.engine_core.runner.load_weights(new)
+            stale = sample_rollouts(llm, shared, sampling, seed + len(shared))
+            if not any(stale.num_cached_tokens):
+                raise RuntimeError("prefix_cache: the stale round hit no cached prefix; the scenario proves nothing")
+            llm.load_weights(old)
+            sample_rollouts(llm, shared, sampling, seed)
+            llm.load_weights(new)  # rlserve's path: the prefix cache is reset with the write
+            reset = sample_rollouts(llm, shared, sampling, seed + len(shared))
+            return {"reset": reset, "stale": stale}
+
+        def without_cache(llm: LLM) -> dict[str, Rollouts]:
+            sample_rollouts(llm, shared, sampling, seed)
+            llm.load_weights(new)
+            return {"off": sample_rollouts(llm, shared, sampling, seed + len(shared))}
+
+        common = dict(dtype=dtype, logprobs_mode="processed_logprobs")
+        rounds = engines.run(across_update, enable_prefix_caching=True, **common)
+        rounds |= engines.run(without_cache, enable_prefix_caching=False, **common)
+        _write_trainer_weights(reference, new)
+        for name in ("reset", "off", "stale"):
+            results[f"prefix_cache/{name}"] = score(rounds[name])
+    return results
+
+
+# ---- output ----
+
+COLUMNS = ("scenario", "mean|Δ|", "max|Δ|", "k3 KL", "mean ratio", "outside [0.9,1.1]", "ESS", "tokens")
+
+
+def format_table(results: dict[str, ParityStats | None]) -> str:
+    """One row per result; None prints as n/a (a mode that cannot be measured yet)."""
+    rows = [COLUMNS] + [
+        (name, *(["n/a"] * (len(COLUMNS) - 1)))
+        if s is None
+        else (
+            name,
+            f"{s.mean_abs_diff:.3e}",
+            f"{s.max_abs_diff:.3e}",
+            f"{s.k3_kl:.3e}",
+            f"{s.mean_ratio:.6f}",
+            f"{s.frac_outside:.4f}",
+            f"{s.ess:.6f}",
+            str(s.num_tokens),
+        )
+        for name, s in results.items()
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    model = args.model
+    if model is None:
+        model = str(make_peaked_model_dir(tempfile.mkdtemp(prefix="rlserve-parity-"), "small", args.head_scale))
+        print(
+            f"model: a random small Qwen3 built in {model}, logits x{args.head_scale:g} (final RMSNorm weight, i.e. "
+            "an LM head scaled by that factor) so that the distribution is peaked"
+        )
+    else:
+        print(f"model: {model} (used as is)")
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    prompts = random_prompts(model, args.num_prompts, args.prompt_len, seed=args.seed)
+    peak = peakedness(model, prompts, args.device)
+    print(
+        f"next-token distributions: mean entropy {peak.entropy:.2f} nats (flat: {peak.uniform_entropy:.2f}), "
+        f"mean top-1 probability {peak.top1:.2f}"
+    )
+    print(
+        f"{args.num_prompts} prompts x {args.prompt_len} random tokens, {args.max_tokens} sampled tokens each, "
+        f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}; engine {args.dtype} on "
+        f"{args.device}; trainer {args.trainer} in {args.trainer_dtype}, scoring the sampled (processed) distribution"
+    )
+    results = run_parity(
+        model,
+        prompts,
+        scenarios=scenarios,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        device=args.device,
+        dtype=args.dtype,
+        trainer=args.trainer,
+        trainer_dtype=args.trainer_dtype,
+        seed=args.seed,
+    )
+    print(format_table(results))
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k != "func"} | {"model": model}
+        results_json = {name: asdict(s) for name, s in results.items()}
+        record = dict(config=config, peakedness=asdict(peak), results=results_json)
+        Path(args.json).write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "parity", help="engine vs trainer logprobs: raw/processed, LM head dtype, prefix cache across an update"
+    )
+    p.add_argument("--model", default=None, help="model directory (default: build a small peaked random model)")
+    p.add_argument(
+        "--head-scale", type=float, default=HEAD_SCALES["small"], help="logit scale of the model built without --model"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="engine dtype")
+    p.add_argument("--trainer", default="hf", choices=["hf", "rlserve"], help="transformers or rlserve's model")
+    p.add_argument("--trainer-dtype", default="float32", choices=list(_DTYPES))
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    p.set_defaults(func=cmd_parity)

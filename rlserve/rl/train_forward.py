@@ -1,0 +1,85 @@
+"""rlserve's own decoder run as a trainer runs it: whole sequences in one forward, no paged KV cache, gradients allowed.
+
+The engine and this forward share every module (projections, norms, rotary, MLP, LM head); only attention differs.
+`ContiguousAttention` implements the engine's `AttentionBackend` protocol but ignores the cache arguments and attends
+causally within each packed sequence, so a difference between engine and trainer logprobs on the same weights can only
+come from the paged attention path, batching, or the sampler, never from a second model implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rlserve.model.attention.base import AttentionMetadata
+from rlserve.model.loader import load_model
+from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
+
+
+class ContiguousAttention:
+    """Causal SDPA per packed sequence; k_cache/v_cache are ignored (nothing is stored, nothing is read back)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        outputs = []
+        start = 0
+        for length in meta.query_lens_cpu:
+            end = start + length
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1),
+                k[start:end].transpose(0, 1),
+                v[start:end].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            outputs.append(o.transpose(0, 1))
+            start = end
+        # torch.cat rather than writes into a preallocated buffer, so autograd sees plain ops.
+        return torch.cat(outputs)
+
+
+def load_training_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DecoderForCausalLM:
+    """rlserve's model with the checkpoint's weights, parameters trainable (the engine's loader freezes them)."""
+    model, _ = load_model(str(model_dir), dtype, torch.device(device))
+    return model.train().requires_grad_(True)
+
+
+def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Final hidden states [len(seq), hidden] of each sequence, from one packed forward through the model's modules."""
+    device = model.lm_head.weight.device
+    lengths = [len(s) for s in sequences]
+    if not sequences or min(lengths) == 0:
+        raise ValueError("sequences: expected at least one sequence, each with at least one token")
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((len(ids),), -1, dtype=torch.long, device=device),
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((len(lengths), 0), dtype=torch.int32, device=device),
+        max_seqlen_q=max(lengths),
+        max_seq_len=max(lengths),
+        query_lens_cpu=lengths,
+        seq_lens_cpu=lengths,
+    )
+    # The decoder indexes one (k_cache, v_cache) pair per layer; this backend never touches them.
+    no_cache = torch.empty(0, device=device)
+    ctx = ForwardContext(meta, [(no_cache, no_cache)] * model.spec.num_layers, ContiguousAttention())
+    hidden = model(ids, positions, ctx)
+    return list(hidden.split(lengths))

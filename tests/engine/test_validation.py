@@ -1,0 +1,213 @@
+"""Bad input fails fast with a ValueError naming the offending field, and leaves the engine fully usable."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from rlserve import LLM, SamplingParams
+
+MAX_MODEL_LEN = 64
+GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+# Function scope on purpose: an engine left broken by one bad request must not fail the tests after it.
+@pytest.fixture
+def llm(qwen3_dir, make_llm) -> LLM:
+    return make_llm(qwen3_dir, max_model_len=MAX_MODEL_LEN, max_logprobs=5)
+
+
+@pytest.fixture
+def good_tokens(llm, generate) -> list[int]:
+    (out,) = generate(llm, "good", GOOD)
+    return out.outputs[0].token_ids
+
+
+def assert_still_serves(llm: LLM, generate, good_tokens: list[int]) -> None:
+    (out,) = generate(llm, "good", GOOD)
+    assert out.outputs[0].token_ids == good_tokens
+    assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompt,field",
+    [
+        ("", "prompt"),
+        ({"prompt_token_ids": []}, "prompt"),
+        ("x" * MAX_MODEL_LEN, "prompt"),
+        ("x" * (MAX_MODEL_LEN + 40), "prompt"),
+        ({"prompt_token_ids": [1, 2, 10_000]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, -1, 2]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 259]}, "prompt_token_ids"),  # == vocab size: one past the last id
+        ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids"),
+        ({"text": "no known key"}, "prompt"),
+    ],
+    ids=["empty", "empty-ids", "at-max-len", "over-max-len", "id-huge", "id-negative", "id-vocab", "ids-str", "dict"],
+)
+def test_bad_prompt(llm, generate, good_tokens, prompt: Any, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        llm.generate([prompt], GOOD, use_tqdm=False)
+    assert_still_serves(llm, generate, good_tokens)
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(llm, generate, good_tokens) -> None:
+    """Validation covers the whole batch before anything is queued: the good prompts of a failed call do not leak."""
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(["fine", "also fine", {"prompt_token_ids": [999]}], GOOD, use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+    assert_still_serves(llm, generate, good_tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"logprobs": 6}, "logprobs"),
+        ({"prompt_logprobs": 6}, "prompt_logprobs"),
+        ({"stop_token_ids": [259]}, "stop_token_ids"),
+    ],
+)
+def test_bad_params_for_this_engine(llm, generate, good_tokens, kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        llm.generate("fine", SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)
+    assert_still_serves(llm, generate, good_tokens)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_outside_64_bits_is_named(llm, seed: int) -> None:
+    with pytest.raises(ValueError, match=r"\bseed\b"):
+        llm.generate("bad seed", SamplingParams(temperature=1.0, max_tokens=4, seed=seed), use_tqdm=False)
+
+
+def test_seed_outside_64_bits_leaves_engine_clean(llm, generate, good_tokens) -> None:
+    """The bad request comes second in its batch: the first must not be left queued in the engine."""
+    params = [GOOD, SamplingParams(temperature=1.0, max_tokens=4, seed=2**64)]
+    with pytest.raises(ValueError):
+        llm.generate(["fine", "bad seed"], params, use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+    assert_still_serves(llm, generate, good_tokens)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_above_vocab_size(qwen3_dir, make_llm, generate, field: str) -> None:
+    """With max_logprobs above the vocabulary, k > vocab must be refused (or clamped), never crash the step."""
+    llm = make_llm(qwen3_dir, max_logprobs=1000)
+    vocab = llm.engine_core.vocab_size
+    try:
+        outputs = llm.generate("hi", SamplingParams(max_tokens=2, **{field: vocab + 1}), use_tqdm=False)
+    except ValueError as error:
+        assert field in str(error)
+    else:
+        entries = outputs[0].outputs[0].logprobs if field == "logprobs" else outputs[0].prompt_logprobs[1:]
+        assert all(len(entry) <= vocab for entry in entries)
+    assert not llm.engine_core.has_unfinished_requests()
+    (out,) = generate(llm, "hi", SamplingParams(temperature=0.0, max_tokens=2, **{field: vocab}))
+    entries = out.outputs[0].logprobs if field == "logprobs" else out.prompt_logprobs[1:]
+    assert all(len(entry) == vocab for entry in entries)
+
+
+def test_logprobs_at_max_logprobs_is_accepted(llm, generate) -> None:
+    (out,) = generate(llm, "fine", SamplingParams(temperature=0.0, max_tokens=2, logprobs=5, prompt_logprobs=5))
+    assert all(len(entry) in (5, 6) for entry in out.outputs[0].logprobs)
+
+
+def test_sampling_params_count_mismatch(llm, generate, good_tokens) -> None:
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GOOD], use_tqdm=False)
+    assert_still_serves(llm, generate, good_tokens)
+
+
+# ---- engine construction ----
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"logprobs_mode": "softmax"}, "logprobs_mode"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"lm_head_dtype": "float16"}, "lm_head_dtype"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"not_an_engine_arg": 1}, "not_an_engine_arg"),
+    ],
+)
+def test_bad_engine_arguments(qwen3_dir, kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LLM(str(qwen3_dir), num_kv_blocks=kwargs.pop("num_kv_blocks", 64), **kwargs)
+
+
+def test_kv_cache_too_small_for_max_model_len(qwen3_dir) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(qwen3_dir), block_size=4, num_kv_blocks=4, max_model_len=64)
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model"):
+        LLM(str(tmp_path / "does-not-exist"))
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
+        LLM(str(tmp_path))
+    assert "architecture" in str(info.value)
+
+
+def test_unsupported_architecture_without_model_type(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="model"):
+        LLM(str(tmp_path))
+
+
+def test_engine_still_builds_after_failures(qwen3_dir, make_llm, generate, hf) -> None:
+    llm = make_llm(qwen3_dir)
+    (out,) = generate(llm, "after", GOOD)
+    assert out.outputs[0].token_ids == hf.greedy(qwen3_dir, out.prompt_token_ids, 4)
+
+
+def test_directory_without_weights(qwen3_dir, tmp_path: Path) -> None:
+    shutil.copy(qwen3_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(tmp_path))
+
+
+def test_checkpoint_missing_a_tensor(qwen3_dir, tmp_path: Path) -> None:
+    path = tmp_path / "partial"
+    shutil.copytree(qwen3_dir, path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="up_proj"):
+        LLM(str(path))

@@ -1,0 +1,172 @@
+"""The parity tool: statistics on hand-made inputs, the trainer forwards against the engine, and the scenarios.
+
+Models are tiny peaked Qwen3 toys in fp32 on CPU, where engine and trainer must agree to float noise (< 1e-4) unless a
+scenario introduces a real difference (raw logprobs at temperature 0.7, KV reused across a weight update).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlserve import LLM
+from rlserve.rl.parity import (
+    ParityStats,
+    SamplingSetup,
+    compare_logprobs,
+    load_trainer,
+    make_peaked_model_dir,
+    random_prompts,
+    run_parity,
+    sample_rollouts,
+    trainer_logprobs,
+)
+from rlserve.rl.train_forward import load_training_model
+
+ROOT = Path(__file__).resolve().parents[2]
+ATOL = 1e-4
+NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = 3, 12, 8
+
+
+@pytest.fixture(scope="module")
+def peaked_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_peaked_model_dir(tmp_path_factory.mktemp("parity") / "tiny", preset="tiny", seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompts(peaked_dir: Path) -> list[list[int]]:
+    return random_prompts(peaked_dir, NUM_PROMPTS, PROMPT_LEN, seed=3)
+
+
+# ---- compare_logprobs on hand-made inputs ----
+
+
+def test_identical_logprobs_give_no_mismatch() -> None:
+    values = torch.tensor([[-0.1, -2.0, -5.0], [-0.7, -1.3, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    expected = ParityStats(0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 5)
+    assert compare_logprobs(values, values.clone(), mask) == expected
+    ragged = [[-0.1, -2.0, -5.0], torch.tensor([-0.7, -1.3])]
+    assert compare_logprobs(ragged, ragged) == expected
+
+
+def test_known_shift_gives_known_values() -> None:
+    c = 0.2  # trainer = engine + c on every token: all ratios exp(c), equal, so the ESS is 1
+    engine = torch.tensor([[-1.0, -2.0, -3.0, 123.0]])
+    trainer = engine + c
+    trainer[0, 3] = float("-inf")  # padding: the mask must keep it out
+    stats = compare_logprobs(engine, trainer, torch.tensor([[True, True, True, False]]))
+    assert stats.mean_abs_diff == pytest.approx(c)
+    assert stats.max_abs_diff == pytest.approx(c)
+    assert stats.k3_kl == pytest.approx(math.exp(c) - 1 - c)
+    assert stats.mean_ratio == pytest.approx(math.exp(c))
+    assert stats.frac_outside == 1.0  # exp(0.2) = 1.22
+    assert stats.ess == pytest.approx(1.0)
+    assert stats.num_tokens == 3
+
+    # Ratios 1 and 2 (ragged): ESS = (1 + 2)^2 / (2 * (1 + 4)) = 0.9; k3 = (0 + (2 - 1 - log 2)) / 2.
+    stats = compare_logprobs([[-1.0], [-3.0]], [[-1.0], [-3.0 + math.log(2)]])
+    assert stats.ess == pytest.approx(0.9)
+    assert stats.k3_kl == pytest.approx((1 - math.log(2)) / 2)
+    assert stats.mean_ratio == pytest.approx(1.5)
+    assert stats.frac_outside == 0.5
+    assert stats.max_abs_diff == pytest.approx(math.log(2))
+
+
+def test_compare_refuses_mismatched_or_empty_inputs() -> None:
+    with pytest.raises(ValueError, match="layout"):
+        compare_logprobs([[0.0, 0.0], [0.0]], [[0.0], [0.0, 0.0]])
+    with pytest.raises(ValueError, match="mask layout"):
+        compare_logprobs(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(3, 2))
+    with pytest.raises(ValueError, match="no tokens"):
+        compare_logprobs(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+# ---- the trainer forwards against the engine ----
+
+
+@pytest.mark.parametrize(
+    ("mode", "temperature", "top_k", "top_p"),
+    [("raw_logprobs", 1.0, -1, 1.0), ("processed_logprobs", 0.7, 20, 0.9)],
+)
+def test_trainer_forwards_match_engine(peaked_dir, prompts, mode, temperature, top_k, top_p) -> None:
+    """HF transformers and rlserve's training-mode forward reproduce the engine's logprobs of its own samples."""
+    llm = LLM(str(peaked_dir), logprobs_mode=mode, num_kv_blocks=64)
+    rollouts = sample_rollouts(llm, prompts, SamplingSetup(MAX_TOKENS, temperature, top_k, top_p), seed=5)
+    processed = mode == "processed_logprobs"
+    for trainer in ("hf", "rlserve"):
+        model = load_trainer(peaked_dir, trainer, torch.float32, "cpu")
+        with torch.no_grad():
+            mine = trainer_logprobs(
+                model, rollouts.prompt_ids, rollouts.completion_ids, temperature, top_k, top_p, processed
+            )
+        stats = compare_logprobs(rollouts.logprobs, mine)
+        assert stats.num_tokens == NUM_PROMPTS * MAX_TOKENS
+        assert stats.max_abs_diff < ATOL, (trainer, stats)
+
+
+def test_training_forward_has_gradients(peaked_dir, prompts) -> None:
+    model = load_training_model(peaked_dir)
+    (logprobs,) = trainer_logprobs(model, prompts[:1], [[5, 6, 7]])
+    logprobs.sum().backward()
+    grad = model.model.layers[0].self_attn.qkv_proj.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+# ---- the scenarios ----
+
+
+def test_raw_logprobs_disagree_with_the_sampled_distribution(peaked_dir, prompts) -> None:
+    results = run_parity(peaked_dir, prompts, scenarios=["raw_vs_processed"], max_tokens=MAX_TOKENS, temperature=0.7)
+    raw, processed = results["raw_vs_processed/raw"], results["raw_vs_processed/processed"]
+    assert processed.max_abs_diff < ATOL, processed
+    assert raw.mean_abs_diff > 0.05 and raw.k3_kl > 1e-3 and raw.frac_outside > 0.2, raw
+
+
+def test_prefix_cache_across_a_weight_update(peaked_dir, prompts) -> None:
+    """Stale prefix KV after an update shows a mismatch; rlserve's default (reset on update) and no caching do not."""
+    results = run_parity(peaked_dir, prompts, scenarios=["prefix_cache"], max_tokens=MAX_TOKENS, trainer="rlserve")
+    assert set(results) == {"prefix_cache/reset", "prefix_cache/off", "prefix_cache/stale"}
+    for name in ("prefix_cache/reset", "prefix_cache/off"):
+        assert results[name].max_abs_diff < ATOL, (name, results[name])
+    stale = results["prefix_cache/stale"]
+    assert stale.mean_abs_diff > 1e-2 and stale.k3_kl > 1e-4, stale
+
+
+def test_cli_prints_the_table(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env["OMP_NUM_THREADS"] = "1"  # a fresh interpreter on a shared 2-core box: oversubscription costs several x
+    out = tmp_path / "parity.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "rlserve.cli", "parity", "--num-prompts", "2", "--max-tokens", "8", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any("x16" in line and "peaked" in line for line in lines)
+    header = next(i for i, line in enumerate(lines) if line.startswith("scenario"))
+    assert all(c in lines[header] for c in ("mean|Δ|", "max|Δ|", "k3 KL", "mean ratio", "outside [0.9,1.1]", "ESS"))
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1 :]}
+    expected = {
+        "raw_vs_processed/raw",
+        "raw_vs_processed/processed",
+        "lm_head/bf16",
+        "lm_head/fp32",
+        "prefix_cache/reset",
+        "prefix_cache/off",
+        "prefix_cache/stale",
+    }
+    assert set(rows) == expected
+    assert all(int(r[-1]) == 2 * 8 for r in rows.values())
+    assert set(json.loads(out.read_text())["results"]) == expected
