@@ -52,6 +52,8 @@ class SamplingParams:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= 2**63 - 1 - self.n):
+            raise bad("seed", "must be an integer in [0, 2**63 - 1 - n]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:

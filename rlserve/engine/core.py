@@ -84,8 +84,11 @@ class EngineCore:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > self.config.max_logprobs:
-                raise ValueError(f"{name}: {k} is above the engine's max_logprobs ({self.config.max_logprobs})")
+            if k is not None and k > min(self.config.max_logprobs, self.vocab_size):
+                raise ValueError(
+                    f"{name}: {k} is above the engine's limit min(max_logprobs, vocab size) = "
+                    f"{min(self.config.max_logprobs, self.vocab_size)}"
+                )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {self.vocab_size}")
 

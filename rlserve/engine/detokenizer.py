@@ -32,6 +32,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         return new_text[len(prefix_text) :]
 
+    def flush(self) -> str:
+        """The text still held back (an incomplete character, shown as U+FFFD) once no more tokens will come."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
 
 def find_stop_string(text: str, num_new_chars: int, stops: list[str], include: bool) -> tuple[str, int] | None:
     """Look for a stop string that ends within the last num_new_chars characters.

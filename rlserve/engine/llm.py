@@ -79,12 +79,22 @@ class LLM:
         for (_, ids), params in zip(tokenized, params_list, strict=True):
             self.engine_core.validate(ids, params)
         order: dict[str, int] = {}
-        for (text, ids), params in zip(tokenized, params_list, strict=True):
-            request_id = str(next(self._ids))
-            order[request_id] = len(order)
-            params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            for child_id, child_params in self.output_processor.add_request(request_id, text, ids, params):
-                self.engine_core.add_request(child_id, ids, child_params)
+        try:
+            for (text, ids), params in zip(tokenized, params_list, strict=True):
+                request_id = str(next(self._ids))
+                order[request_id] = len(order)
+                params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                for child_id, child_params in self.output_processor.add_request(request_id, text, ids, params):
+                    self.engine_core.add_request(child_id, ids, child_params)
+            return self._run_to_completion(order, use_tqdm)
+        except BaseException:
+            # Whatever failed (or Ctrl-C), leave no request of this call behind in the engine.
+            for request_id in order:
+                self.engine_core.abort_requests(self.output_processor.child_ids(request_id))
+                self.output_processor.abort(request_id)
+            raise
+
+    def _run_to_completion(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req", dynamic_ncols=True) as bar:
             while self.engine_core.has_unfinished_requests():

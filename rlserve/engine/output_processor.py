@@ -147,7 +147,14 @@ class OutputProcessor:
                 sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry[token_id].logprob
         if sample.detokenizer is None or not out.new_token_ids:
             return
-        delta = sample.detokenizer.add(out.new_token_ids)
+        new_ids = (
+            out.new_token_ids[:-1]
+            if _hides_stop_token(params, out.finish_reason, out.stop_reason)
+            else out.new_token_ids
+        )
+        delta = sample.detokenizer.add(new_ids)
+        if out.finish_reason is not None:  # no token will complete a pending character now
+            delta += sample.detokenizer.flush()
         sample.text += delta
         if params.stop and delta:
             hit = find_stop_string(sample.text, len(delta), params.stop, params.include_stop_str_in_output)
@@ -160,7 +167,8 @@ class OutputProcessor:
         delta = state.kind is RequestOutputKind.DELTA
         for s in state.samples:
             if s.detokenizer is None and s.params.detokenize and s.finish_reason is not None:
-                s.text = self.tokenizer.decode(s.token_ids, skip_special_tokens=s.params.skip_special_tokens)
+                ids = s.token_ids[:-1] if _hides_stop_token(s.params, s.finish_reason, s.stop_reason) else s.token_ids
+                s.text = self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens)
             t0, c0 = (s.sent_tokens, s.sent_text) if delta else (0, 0)
             completions.append(
                 CompletionOutput(
@@ -200,3 +208,8 @@ class OutputProcessor:
             self.child_to_parent.pop(child_request_id(request_id, s.index, len(state.samples)), None)
         del self.states[request_id]
         return self._make_output(state)
+
+
+def _hides_stop_token(params: SamplingParams, finish_reason: str | None, stop_reason: int | str | None) -> bool:
+    """vLLM leaves the token that stopped a request (a stop token id or EOS) out of the text, unless asked."""
+    return finish_reason == "stop" and not isinstance(stop_reason, str) and not params.include_stop_str_in_output
