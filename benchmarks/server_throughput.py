@@ -1,0 +1,205 @@
+"""W7 (server): the W1 workload through the HTTP server by concurrent clients, relative to `LLM.generate` offline.
+
+CPU (defaults):  python benchmarks/server_throughput.py
+GPU:             python benchmarks/server_throughput.py --device cuda --preset qwen3-0.6b-shape \
+                     --num-prompts 1024 --input-len 256 --output-len 256
+
+Both sides get the same engine arguments and, per repetition, the same fresh random prompts (fresh so the prefix
+cache of an earlier repetition cannot help). The server runs in its own process (`rlserve serve`); the clients are
+`--concurrency` httpx tasks in this process, each sending one non-streaming (or `--stream`) /v1/completions at a
+time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported: output tokens/s per repetition, their
+median, and the server/offline ratio of medians.
+
+On a CPU shared with other work, torch's intra-op threads can stall each other and cut throughput tenfold at random;
+`--cpu-threads 1` (both sides) gives figures that mean something there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.toy import make_model_dir
+
+SERVER_START_TIMEOUT_S = 600.0
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Leave the top ids out: the toy tokenizer's special tokens sit there.
+    return torch.randint(0, vocab - 3, (num, length), generator=g).tolist()
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return dict(
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len + 16,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def run_offline(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
+    llm = LLM(model_dir, **engine_args(args))
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompt_sets[0][:4]], params, use_tqdm=False)  # warm-up
+    rates = []
+    for prompts in prompt_sets[1:]:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / dt)
+    llm.shutdown()
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rates
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rlserve.cli", "serve", model_dir, "--port", str(port), "--log-level", "warning"]
+    for key, value in engine_args(args).items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    env = dict(os.environ)
+    if args.cpu_threads:
+        env["OMP_NUM_THREADS"] = str(args.cpu_threads)  # torch's intra-op threads in the server process
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise TimeoutError(f"server not healthy after {SERVER_START_TIMEOUT_S:g} s")
+
+
+async def _one(http: httpx.AsyncClient, body: dict, stream: bool) -> int:
+    if not stream:
+        response = await http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()["usage"]["completion_tokens"]
+    tokens = 0
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                tokens += sum(len(c.get("weight_versions") or []) for c in json.loads(line[6:])["choices"])
+    return tokens
+
+
+async def _send_all(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str) -> float:
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    common = dict(model=model, max_tokens=args.output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
+    total = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal total
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            tokens = await _one(http, {**common, "prompt": prompt}, args.stream)
+            total += tokens  # not `total += await ...`: that reads total before the await and loses updates
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(args.concurrency)))
+        dt = time.perf_counter() - t0
+    expected = len(prompts) * args.output_len
+    if total != expected:
+        raise RuntimeError(f"the server returned {total} tokens, expected {expected}")
+    return total / dt
+
+
+def run_server(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="rlserve-w7-")) / "server.log"
+    proc = start_server(model_dir, args, port, log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(_send_all(url, prompt_sets[0][:4], args, model_dir))  # warm-up
+        return [asyncio.run(_send_all(url, prompts, args, model_dir)) for prompts in prompt_sets[1:]]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=None, help="concurrent HTTP clients (default: all prompts)")
+    ap.add_argument("--stream", action="store_true", help="clients stream (SSE) instead of waiting for the whole")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads, both sides")
+    args = ap.parse_args()
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.concurrency = args.concurrency or args.num_prompts
+
+    model_dir = args.model_dir
+    if model_dir is None:
+        path = tempfile.mkdtemp(prefix="rlserve-w7-model-")
+        model_dir = str(make_model_dir(path, preset=args.preset, dtype=getattr(torch, args.dtype)))
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    # Set 0 warms up; sets 1..repeats are measured, the same ones on both sides.
+    prompt_sets = [make_prompts(args.num_prompts, args.input_len, vocab, seed) for seed in range(args.repeats + 1)]
+
+    offline = run_offline(model_dir, args, prompt_sets)
+    server = run_server(model_dir, args, prompt_sets)
+    off_med, srv_med = statistics.median(offline), statistics.median(server)
+
+    print(
+        f"\nW7 server throughput: preset={args.preset} device={args.device} dtype={args.dtype} "
+        f"prompts={args.num_prompts} in={args.input_len} out={args.output_len} concurrency={args.concurrency} "
+        f"stream={args.stream} repeats={args.repeats} cpu_threads={args.cpu_threads or torch.get_num_threads()}"
+    )
+    print(f"| {'mode':<8} | {'output tok/s per repetition':<40} | {'median tok/s':>12} | {'vs offline':>10} |")
+    print(f"|{'-' * 10}|{'-' * 42}|{'-' * 14}|{'-' * 12}|")
+    for name, rates, med in (("offline", offline, off_med), ("server", server, srv_med)):
+        reps = ", ".join(f"{r:.0f}" for r in rates)
+        print(f"| {name:<8} | {reps:<40} | {med:>12.0f} | {med / off_med:>10.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,562 @@
+"""The HTTP server: OpenAI-compatible completions and chat over an AsyncLLM, plus (opt-in) vLLM's RL control routes.
+
+`build_app` only composes; the engine belongs to the caller (`rlserve serve` creates it, runs uvicorn, shuts it
+down). Streams are Server-Sent Events with one chunk per new token of a choice; a client that goes away, streaming
+or not, aborts its request so the engine stops spending steps on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import logging
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.llm import tokenize_prompt
+from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from rlserve.sampling_params import SamplingParams
+from rlserve.server.metrics import ServerMetrics
+from rlserve.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenFormatter,
+    UsageInfo,
+    chat_logprobs,
+    completion_logprobs,
+    new_id,
+    prompt_logprobs,
+)
+from rlserve.server.rl_routes import build_rl_router
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PositionLogprobsList = list[PositionLogprobs | None]
+
+API_KEY_ENV = "RLSERVE_API_KEY"
+# Names a ValueError from SamplingParams or the engine may start with (see APIError.from_value_error).
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "prompt_token_ids"}
+
+
+def _error_json(error: APIError) -> JSONResponse:
+    return JSONResponse(error.response().model_dump(), status_code=error.code)
+
+
+def _sse(payload: BaseModel | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
+
+
+def make_auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that demands `Authorization: Bearer <api_key>` (no check when the key is None)."""
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+    return check_api_key
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class _Usage:
+    """Token counts of one API request, summed over its prompts and choices."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[index] = len(out.prompt_token_ids)
+        self.cached_tokens[index] = out.num_cached_tokens
+        self.completion_tokens += sum(len(s.token_ids) for s in out.outputs)
+
+    def info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
+        )
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests) and return None."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            # Cancellation completes only when the task next runs; wait for it so its result is readable.
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses and chunks."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
+        self.active: dict[str, list[str]] = {}
+
+    # ---- shared ----
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).", "model"
+            )
+
+    def _validate(self, prompts: list[_Prompt], params: SamplingParams, rename: Mapping[str, str]) -> None:
+        """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts)."""
+        max_model_len = self.engine.engine_core.max_model_len
+        for p in prompts:
+            try:
+                self.engine.engine_core.validate(p.token_ids, params)
+            except ValueError as e:
+                raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
+            # The engine would silently cut such a request short; OpenAI and vLLM refuse it.
+            if params.max_tokens is not None and len(p.token_ids) + params.max_tokens > max_model_len:
+                param = rename.get("max_tokens", "max_tokens")
+                raise APIError(
+                    400,
+                    f"{param}: this model's maximum context length is {max_model_len} tokens, but "
+                    f"{len(p.token_ids)} prompt tokens + {params.max_tokens} completion tokens were requested",
+                    param,
+                )
+
+    async def _generate(
+        self, request_id: str, prompts: list[_Prompt], params: SamplingParams
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The engine outputs of every prompt of one API request, tagged with the prompt's index."""
+        inputs = [{"prompt": p.text, "prompt_token_ids": p.token_ids} for p in prompts]
+        if len(prompts) == 1:
+            self.active[request_id] = [request_id]
+            try:
+                async with aclosing(self.engine.generate(inputs[0], params, request_id)) as outputs:
+                    async for out in outputs:
+                        yield 0, out
+            finally:
+                self.active.pop(request_id, None)
+            return
+        engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.active[request_id] = engine_ids
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with aclosing(self.engine.generate(inputs[i], params, engine_ids[i])) as outputs:
+                    async for out in outputs:
+                        queue.put_nowait((i, out, None))
+            except Exception as e:
+                queue.put_nowait((i, None, e))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        try:
+            remaining = len(prompts)
+            while remaining:
+                i, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                yield i, out
+                remaining -= out.finished
+        finally:
+            # Cancelling a pump closes its engine stream, which aborts what is left of that prompt.
+            for task in tasks:
+                task.cancel()
+            self.active.pop(request_id, None)
+
+    async def _final_outputs(
+        self, request_id: str, prompts: list[_Prompt], params: SamplingParams
+    ) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        async with aclosing(self._generate(request_id, prompts, params)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+        return finals
+
+    def _count_finished(self, sample: CompletionOutput) -> None:
+        if sample.finish_reason is not None:
+            self.metrics.count_finished(sample.finish_reason)
+
+    async def _stream(
+        self,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        n: int,
+        include_usage: bool,
+        make_chunk: Callable[[int, RequestOutput, CompletionOutput, bool, PositionLogprobsList | None], BaseModel],
+        make_usage_chunk: Callable[[UsageInfo], BaseModel],
+        preamble: list[BaseModel],
+    ) -> AsyncIterator[str]:
+        """SSE: one chunk per choice per engine delta, `finish_reason` on each choice's last, then usage and [DONE].
+
+        `make_chunk(index, output, sample, first, prompt_logprobs)`: `first` marks the choice's first chunk, which
+        also gets the prompt's logprobs (if requested).
+        """
+        usage = _Usage()
+        # DELTA outputs carry prompt logprobs once, in the prompt's first output, which may hold no token yet.
+        prompt_lps: dict[int, PositionLogprobsList] = {}
+        started: set[int] = set()
+        finished: set[int] = set()
+        try:
+            for chunk in preamble:
+                yield _sse(chunk)
+            async with aclosing(outputs) as stream:
+                async for i, out in stream:
+                    usage.add(i, out)
+                    if out.prompt_logprobs is not None:
+                        prompt_lps.setdefault(i, out.prompt_logprobs)
+                    for sample in out.outputs:
+                        index = i * n + sample.index
+                        if index in finished or not (sample.token_ids or sample.text or sample.finish_reason):
+                            continue
+                        first = index not in started
+                        started.add(index)
+                        yield _sse(make_chunk(index, out, sample, first, prompt_lps.get(i) if first else None))
+                        if sample.finish_reason is not None:
+                            finished.add(index)
+                            self._count_finished(sample)
+            if include_usage:
+                yield _sse(make_usage_chunk(usage.info()))
+        except APIError as e:
+            yield _sse(e.response())
+        except Exception as e:
+            logger.exception("stream failed")
+            yield _sse(APIError(500, f"generation failed: {e}").response())
+        yield _sse("[DONE]")
+
+    # ---- /v1/completions ----
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        rename = {"prompt_token_ids": "prompt"}
+        try:
+            params = req.sampling_params()
+            prompts = [
+                _Prompt(*tokenize_prompt(self.engine.tokenizer, p if isinstance(p, str) else {"prompt_token_ids": p}))
+                for p in req.prompts()
+            ]
+        except ValueError as e:
+            raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
+        self._validate(prompts, params, rename)
+        request_id = new_id("cmpl")
+        fmt = TokenFormatter(req.return_tokens_as_token_ids)
+        n = params.n
+
+        if req.stream:
+            text_offsets: dict[int, int] = {}
+
+            def chunk(
+                index: int,
+                out: RequestOutput,
+                s: CompletionOutput,
+                first: bool,
+                prompt_lps: PositionLogprobsList | None,
+            ) -> BaseModel:
+                logprobs = None
+                if s.logprobs is not None:
+                    logprobs, text_offsets[index] = completion_logprobs(s, fmt, text_offsets.get(index, 0))
+                choice = CompletionResponseChoice(
+                    index=index,
+                    text=s.text,
+                    logprobs=logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    weight_versions=s.weight_versions,
+                    token_ids=s.token_ids if req.return_token_ids else None,
+                    prompt_logprobs=prompt_logprobs(prompt_lps, fmt),
+                    prompt_token_ids=out.prompt_token_ids if first and req.return_token_ids else None,
+                )
+                return CompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
+
+            def usage_chunk(usage: UsageInfo) -> BaseModel:
+                return CompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+
+            body = self._stream(
+                self._generate(request_id, prompts, params), n, req.include_usage, chunk, usage_chunk, []
+            )
+            return StreamingResponse(body, media_type="text/event-stream")
+
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, params))
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        usage = _Usage()
+        choices = []
+        for i, out in enumerate(finals):
+            usage.add(i, out)
+            for s in out.outputs:
+                self._count_finished(s)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * n + s.index,
+                        text=s.text,
+                        logprobs=None if s.logprobs is None else completion_logprobs(s, fmt, 0)[0],
+                        finish_reason=s.finish_reason,
+                        stop_reason=s.stop_reason,
+                        weight_versions=s.weight_versions,
+                        token_ids=s.token_ids if req.return_token_ids else None,
+                        prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
+                        prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
+                    )
+                )
+        response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.info())
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    # ---- /v1/chat/completions ----
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                [m.template_dict() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=False,
+                **(req.chat_template_kwargs or {}),
+            )
+        except APIError:
+            raise
+        except Exception as e:  # jinja errors, or a tokenizer without a chat template
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from e
+        # The template already placed any special tokens (BOS, role markers): do not add them a second time.
+        return _Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        rename = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
+        if req.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        try:
+            params = req.sampling_params()
+        except ValueError as e:
+            raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
+        prompt = self._chat_prompt(req)
+        self._validate([prompt], params, rename)
+        request_id = new_id("chatcmpl")
+        fmt = TokenFormatter(req.return_tokens_as_token_ids)
+        top_k = params.logprobs or 0
+
+        def logprobs(s: CompletionOutput) -> Any:
+            return None if s.logprobs is None else chat_logprobs(s, fmt, top_k)
+
+        if req.stream:
+
+            def chunk(
+                index: int,
+                out: RequestOutput,
+                s: CompletionOutput,
+                first: bool,
+                prompt_lps: PositionLogprobsList | None,
+            ) -> BaseModel:
+                choice = ChatCompletionStreamChoice(
+                    index=index,
+                    delta=DeltaMessage(content=s.text),
+                    logprobs=logprobs(s),
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    weight_versions=s.weight_versions,
+                    token_ids=s.token_ids if req.return_token_ids else None,
+                )
+                # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
+                top_level = prompt_logprobs(prompt_lps, fmt) if index == 0 else None
+                return ChatCompletionStreamResponse(
+                    id=request_id, model=self.model_name, choices=[choice], prompt_logprobs=top_level
+                )
+
+            def usage_chunk(usage: UsageInfo) -> BaseModel:
+                return ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+
+            roles = [
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    model=self.model_name,
+                    choices=[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                )
+                for i in range(params.n)
+            ]
+            body = self._stream(
+                self._generate(request_id, [prompt], params), params.n, req.include_usage, chunk, usage_chunk, roles
+            )
+            return StreamingResponse(body, media_type="text/event-stream")
+
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, [prompt], params))
+        if finals is None:
+            return Response(status_code=499)
+        (out,) = finals
+        usage = _Usage()
+        usage.add(0, out)
+        choices = []
+        for s in out.outputs:
+            self._count_finished(s)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=s.index,
+                    message=ChatResponseMessage(content=s.text),
+                    logprobs=logprobs(s),
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    weight_versions=s.weight_versions,
+                    token_ids=s.token_ids if req.return_token_ids else None,
+                )
+            )
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage.info(),
+            prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
+            prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
+        )
+        return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_json(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        # The top-level field: deeper locations name union members ("prompt.list[int].0"); the message has them.
+        fields = [e["loc"][1] for e in errors if len(e.get("loc", ())) > 1 and e["loc"][0] == "body"]
+        param = str(fields[0]) if fields else None
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors)
+        return _error_json(APIError(422, message or "invalid request", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_json(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return _error_json(APIError(500, f"internal error: {exc!r}"))
+
+
+def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served_model_name: str) -> FastAPI:
+    if enable_rl_api and not api_key:
+        raise ValueError(
+            "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
+        )
+    app = FastAPI(title="rlserve", version=importlib.metadata.version("rlserve"))
+    metrics = ServerMetrics(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, metrics)
+    auth = make_auth(api_key)
+    _install_error_handlers(app)
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("rlserve")}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)
+    async def models() -> ModelList:
+        card = ModelCard(id=served_model_name, root=engine.model_name, max_model_len=engine.engine_core.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)], responses=errors)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(req, raw)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)], responses=errors)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(req, raw)
+
+    if enable_rl_api:
+        app.include_router(build_rl_router(engine, serving.active, auth), responses=errors)
+    return app
+
+
+# ---- `rlserve serve` ----
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from rlserve.cli import engine_kwargs
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.enable_rl_api and not api_key:
+        print(
+            "rlserve serve: --enable-rl-api needs an API key (--api-key KEY or $RLSERVE_API_KEY): the RL routes pause "
+            "generation and overwrite weights, so they are never served unauthenticated",
+            file=sys.stderr,
+        )
+        return 2
+    engine = AsyncLLM(args.model, **engine_kwargs(args))
+    try:
+        app = build_app(engine, api_key, args.enable_rl_api, args.served_model_name or args.model)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    from rlserve.cli import add_engine_arguments
+
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server, with optional RL control routes")
+    serve.add_argument("model", help="Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help=f"required on /v1 and RL routes (default: ${API_KEY_ENV})")
+    serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)

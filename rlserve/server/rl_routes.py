@@ -1,0 +1,167 @@
+"""vLLM's RL control routes (paths and bodies of its dev-mode RLHF router), behind the server's API key.
+
+Unlike vLLM, which serves them unauthenticated in dev mode, every route here depends on `auth`: these routes pause
+generation and overwrite the model. Errors: a ValueError (bad input) is a 400 naming the field, a RuntimeError (a call
+out of lifecycle order, e.g. update before start) a 409; neither takes the server down.
+
+Bodies are read by hand rather than by pydantic so that malformed JSON is a 400, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+
+from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.core import PAUSE_MODES
+from rlserve.server.protocol import APIError
+from rlserve.weight_transfer.checksum import compare_checksums
+
+T = TypeVar("T")
+
+
+async def _json_body(request: Request, required: bool = False) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise APIError(400, "request body: expected a JSON object")
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body: not valid JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], required: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(400, f"{name}: required", name)
+        return None
+    if not isinstance(value, kind):
+        raise APIError(400, f"{name}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}", name)
+    return value
+
+
+async def _engine_call(call: Awaitable[T], param: str | None = None, fields: Collection[str] = ()) -> T:
+    try:
+        return await call
+    except ValueError as e:
+        raise APIError.from_value_error(e, fields, param) from e
+    except RuntimeError as e:
+        raise APIError(409, str(e), param) from e
+
+
+def build_rl_router(
+    engine: AsyncLLM, active_requests: Mapping[str, list[str]], auth: Callable[..., Awaitable[None]]
+) -> APIRouter:
+    """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests."""
+    router = APIRouter(dependencies=[Depends(auth)], tags=["rl"])
+    checksum_baseline: dict[str, dict[str, str]] = {}  # "baseline" -> the last checksum taken, for compare
+
+    @router.post("/pause")
+    async def pause(
+        mode: str = "abort", clear_cache: bool = True, wait_for_inflight_requests: bool | None = None
+    ) -> dict[str, str]:
+        if wait_for_inflight_requests is not None:  # vLLM's deprecated spelling of mode=wait
+            mode = "wait" if wait_for_inflight_requests else mode
+        if mode not in PAUSE_MODES:
+            raise APIError(400, f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "query.mode")
+        await _engine_call(engine.pause_generation(mode=mode, clear_cache=clear_cache), "query.mode")
+        return {"status": "paused"}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, str]:
+        await _engine_call(engine.resume_generation())
+        return {"status": "resumed"}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": await engine.is_paused()}
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
+        # Blocks until the trainer joins the group (the trainer calls trainer_init concurrently).
+        init_info = _field(await _json_body(request, required=True), "init_info", dict, required=True)
+        await _engine_call(engine.init_weight_transfer_engine({"init_info": init_info}), "init_info")
+        return {"message": "Weight transfer initialized"}
+
+    @router.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> dict[str, str]:
+        body = await _json_body(request)
+        if _field(body, "is_checkpoint_format", bool) is False:
+            raise APIError(
+                400, "is_checkpoint_format: rlserve loads checkpoint-format names only", "is_checkpoint_format"
+            )
+        await _engine_call(engine.start_weight_update())
+        return {"message": "Weight update started"}
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request) -> dict[str, str]:
+        update_info = _field(await _json_body(request, required=True), "update_info", dict, required=True)
+        await _engine_call(engine.update_weights({"update_info": update_info}), "update_info")
+        return {"message": "Weights updated"}
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> dict[str, str]:
+        version = _field(await _json_body(request), "weight_version", (str, int))
+        await _engine_call(engine.finish_weight_update(None if version is None else str(version)), "weight_version")
+        return {"message": "Weight update finished"}
+
+    @router.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict[str, Any]:
+        version = str(_field(await _json_body(request, required=True), "new_version", (str, int), required=True))
+        await _engine_call(engine.update_weight_version(version), "new_version")
+        return {"success": True, "new_version": version}
+
+    @router.get("/weight_version")
+    @router.get("/weight_info")
+    async def weight_version() -> dict[str, str]:
+        return {"weight_version": await engine.get_weight_version()}
+
+    @router.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True) -> dict[str, int]:
+        return {"world_size": 1}  # one engine, one worker: no TP/PP/DP yet
+
+    @router.post("/abort_requests")
+    async def abort_requests(request: Request) -> dict[str, Any]:
+        wanted = _field(await _json_body(request), "request_ids", list)
+        ids = list(active_requests) if wanted is None else [r for r in wanted if r in active_requests]
+        engine_ids = [e for rid in ids for e in active_requests.get(rid, [])]
+        if engine_ids:
+            await _engine_call(engine.abort(engine_ids))
+        return {"status": "aborted", "aborted": len(ids)}
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, str]:
+        await _engine_call(engine.reset_prefix_cache())
+        return {"status": "reset"}
+
+    @router.post("/weight_checker")
+    async def weight_checker(request: Request) -> dict[str, Any]:
+        """`checksum`: SHA-256 per checkpoint tensor (kept as the baseline); `compare`: against `baseline` (a
+        checksum map, or a checksum response) or the kept one; `reset`: forget the kept baseline."""
+        body = await _json_body(request, required=True)
+        action = _field(body, "action", str, required=True)
+        if action == "checksum":
+            checksums = await _engine_call(engine.weight_checksums())
+            checksum_baseline["baseline"] = checksums
+            return {"checksums": checksums}
+        if action == "compare":
+            baseline = _field(body, "baseline", dict) or checksum_baseline.get("baseline")
+            if baseline is None:
+                raise APIError(400, "baseline: no baseline given and none taken with action=checksum", "baseline")
+            baseline = baseline.get("checksums", baseline)
+            return compare_checksums(baseline, await _engine_call(engine.weight_checksums()))
+        if action == "reset":
+            checksum_baseline.clear()
+            return {"status": "reset"}
+        raise APIError(400, f"action: must be checksum, compare or reset, got {action!r}", "action")
+
+    return router

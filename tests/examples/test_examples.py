@@ -1,0 +1,24 @@
+"""The examples run as written (as scripts, in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _run(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_custom_weight_transfer_backend_receives_an_update():
+    out = _run("custom_weight_transfer.py")
+    before, after = (line.split(":", 1)[1] for line in out.splitlines()[:2])
+    assert "{'file-1'}" in after
+    assert before.strip() != after.split("(")[0].strip()

@@ -1,0 +1,101 @@
+"""Real `rlserve serve` processes on 127.0.0.1 for the server tests, and helpers to read their SSE streams.
+
+Server starts cost seconds, so there are two, each started once per session: `server` (RL API on, API key, the
+`nccl` weight-transfer backend for the live-update test) and, only for the test that needs it, `plain_server` (RL API
+off). Every test that pauses resumes in `rl`'s teardown, so a failing test cannot leave the shared server paused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, free_port
+
+from rlserve.rl.client import RLServeClient
+from rlserve.toy import make_model_dir
+
+START_TIMEOUT_S = 180.0  # a loaded CI machine needs tens of seconds to import torch and build the engine
+STOP_TIMEOUT_S = 15.0
+
+
+def _start(model_dir: Path, log: Path, *args: str, api_key: str | None) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "rlserve.cli", "serve", str(model_dir), "--port", str(port)]
+    cmd += ["--served-model-name", MODEL_NAME, "--log-level", "warning", *args]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    env = {k: v for k, v in os.environ.items() if k != "RLSERVE_API_KEY"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return Server(f"http://127.0.0.1:{port}", proc, log, headers)
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not healthy after {START_TIMEOUT_S:g} s:\n{server.log_tail()}")
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(STOP_TIMEOUT_S)
+
+
+def _serve(model_dir: Path, log: Path, *args: str, api_key: str | None) -> Iterator[Server]:
+    server = _start(model_dir, log, *args, api_key=api_key)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # initializer_range 0.2: peaked next-token distributions, so greedy outputs are clear of float noise.
+    return make_model_dir(tmp_path_factory.mktemp("server-model") / "toy", initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server-logs") / "server.log"
+    wt = json.dumps({"backend": "nccl"})
+    yield from _serve(server_model_dir, log, "--enable-rl-api", "--weight-transfer-config", wt, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def plain_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server-logs") / "plain.log"
+    yield from _serve(server_model_dir, log, api_key=None)
+
+
+@pytest.fixture
+def rl(server: Server) -> Iterator[RLServeClient]:
+    client = RLServeClient(server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S)
+    try:
+        yield client
+    finally:
+        client.resume()
+        client.close()

@@ -1,0 +1,110 @@
+"""Constants and helpers shared by the server tests: the server handle and a parser for SSE streams."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+API_KEY = "test-key"
+MODEL_NAME = "toy"
+HTTP_TIMEOUT_S = 60.0
+BLOCK_SIZE = 16  # the engine's default block size: prefix-cache hits come in multiples of it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT_S, **kwargs)
+
+    def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT_S, **kwargs)
+
+
+@dataclass
+class Choice:
+    """What one choice of a stream delivered."""
+
+    text: str = ""
+    num_tokens: int = 0  # counted from weight_versions: one entry per token, in every chunk that has tokens
+    token_ids: list[int] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    num_chunks: int = 0
+
+
+@dataclass
+class Stream:
+    """A parsed SSE response: chunks by choice, the usage chunk, and how many [DONE] markers came."""
+
+    choices: dict[int, Choice] = field(default_factory=dict)
+    usage: dict | None = None
+    done_markers: int = 0
+    errors: list[dict] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # time.monotonic() of each token-carrying chunk
+    finished_at: float | None = None  # when the first finish_reason arrived
+
+    def add(self, payload: str) -> None:
+        if payload == "[DONE]":
+            self.done_markers += 1
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            self.errors.append(chunk["error"])
+            return
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for c in chunk["choices"]:
+            choice = self.choices.setdefault(c["index"], Choice())
+            choice.num_chunks += 1
+            choice.text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            versions = c.get("weight_versions") or []
+            choice.weight_versions += versions
+            choice.num_tokens += len(versions)
+            choice.token_ids += c.get("token_ids") or []
+            if versions:
+                self.chunk_times.append(time.monotonic())
+            if c.get("finish_reason") is not None:
+                choice.finish_reasons.append(c["finish_reason"])
+                if self.finished_at is None:
+                    self.finished_at = time.monotonic()
+
+    @property
+    def only(self) -> Choice:
+        assert list(self.choices) == [0], self.choices
+        return self.choices[0]
+
+    @property
+    def tokens_so_far(self) -> int:
+        return sum(c.num_tokens for c in self.choices.values())
+
+
+async def read_stream(client: httpx.AsyncClient, path: str, body: dict, into: Stream | None = None) -> Stream:
+    """POST a streaming request and parse every SSE event; `into` lets a caller watch the stream as it grows."""
+    stream = into if into is not None else Stream()
+    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, (await response.aread()).decode()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                stream.add(line[len("data: ") :])
+    return stream

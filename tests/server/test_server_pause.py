@@ -1,0 +1,159 @@
+"""Pause modes over HTTP, with streams in flight: abort, wait, keep; clear_cache; requests sent while paused.
+
+"Before /pause returns" is checked on the client: what the server sent before answering /pause is already in the
+client's socket buffers when the answer arrives, so after a short yield to the readers the streams must show it.
+No resume happens in between, so a stream that had not ended could not end by itself in abort mode, nor have all its
+tokens in wait mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from server_helpers import API_KEY, BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, Server, Stream, read_stream
+
+from rlserve.rl.client import AsyncRLServeClient, RLServeClient
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+READER_YIELD_S = 0.1
+STREAM_TIMEOUT_S = 60.0
+
+
+async def start_streams(
+    http: httpx.AsyncClient, count: int, max_tokens: int, min_tokens_seen: int = 2
+) -> tuple[list[Stream], list[asyncio.Task]]:
+    """Start `count` streaming completions and return once each has delivered `min_tokens_seen` tokens."""
+    streams = [Stream() for _ in range(count)]
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, **GREEDY}
+    tasks = [
+        asyncio.create_task(read_stream(http, "/v1/completions", {**body, "prompt": f"stream {i}:"}, into=s))
+        for i, s in enumerate(streams)
+    ]
+    deadline = time.monotonic() + STREAM_TIMEOUT_S
+    while any(s.tokens_so_far < min_tokens_seen for s in streams):
+        assert time.monotonic() < deadline, "streams did not start"
+        assert not any(t.done() and t.exception() for t in tasks), [t.exception() for t in tasks if t.done()]
+        await asyncio.sleep(0.01)
+    return streams, tasks
+
+
+def rl_async(server: Server) -> AsyncRLServeClient:
+    return AsyncRLServeClient(server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S)
+
+
+def test_pause_abort_ends_streams_before_returning(server: Server, rl: RLServeClient) -> None:
+    async def go() -> list[Stream]:
+        async with server.async_client() as http, rl_async(server) as control:
+            streams, tasks = await start_streams(http, 3, max_tokens=900)
+            await control.pause(mode="abort")
+            await asyncio.sleep(READER_YIELD_S)
+            assert all(s.finished_at is not None for s in streams)
+            assert await control.is_paused()
+            await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S)
+            return streams
+
+    for stream in asyncio.run(go()):
+        assert stream.only.finish_reasons == ["abort"] and stream.done_markers == 1
+        assert 2 <= stream.only.num_tokens < 900
+
+
+def test_pause_wait_lets_streams_finish_before_returning(server: Server, rl: RLServeClient) -> None:
+    max_tokens = 150
+
+    async def go() -> list[Stream]:
+        async with server.async_client() as http, rl_async(server) as control:
+            streams, tasks = await start_streams(http, 3, max_tokens=max_tokens)
+            await control.pause(mode="wait")
+            await asyncio.sleep(READER_YIELD_S)
+            assert all(s.finished_at is not None for s in streams)
+            await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S)
+            return streams
+
+    for stream in asyncio.run(go()):
+        assert stream.only.finish_reasons == ["length"] and stream.only.num_tokens == max_tokens
+        assert stream.done_markers == 1
+
+
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_pause_keep_freezes_streams_until_resume(server: Server, rl: RLServeClient, clear_cache: bool) -> None:
+    max_tokens = 200
+
+    async def go() -> list[Stream]:
+        async with server.async_client() as http, rl_async(server) as control:
+            streams, tasks = await start_streams(http, 2, max_tokens=max_tokens)
+            await control.pause(mode="keep", clear_cache=clear_cache)
+            await asyncio.sleep(0.2)  # chunks already on the wire may still land
+            frozen = [s.tokens_so_far for s in streams]
+            await asyncio.sleep(1.5)
+            assert [s.tokens_so_far for s in streams] == frozen, "tokens arrived while paused with mode=keep"
+            assert all(s.finished_at is None for s in streams) and all(0 < n < max_tokens for n in frozen)
+            await control.resume()
+            await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S)
+            return streams
+
+    for stream in asyncio.run(go()):
+        assert stream.only.finish_reasons == ["length"] and stream.done_markers == 1
+        assert stream.only.num_tokens == max_tokens and len(stream.only.weight_versions) == max_tokens
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_request_sent_while_paused_runs_after_resume(server: Server, rl: RLServeClient, mode: str) -> None:
+    async def go() -> dict:
+        async with server.async_client() as http, rl_async(server) as control:
+            await control.pause(mode=mode)
+            body = {"model": MODEL_NAME, "prompt": f"sent while paused ({mode})", "max_tokens": 8, **GREEDY}
+            task = asyncio.create_task(http.post("/v1/completions", json=body))
+            await asyncio.sleep(1.0)
+            assert not task.done(), "a request finished while the server was paused"
+            await control.resume()
+            response = await asyncio.wait_for(task, STREAM_TIMEOUT_S)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+    out = asyncio.run(go())
+    assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 8
+
+
+def test_pause_and_resume_are_idempotent(server: Server, rl: RLServeClient) -> None:
+    for mode in ("abort", "wait", "keep"):
+        rl.pause(mode=mode)
+        rl.pause(mode=mode)
+        assert rl.is_paused()
+        rl.resume()
+        rl.resume()
+        assert not rl.is_paused()
+    with server.client() as http:
+        body = {"model": MODEL_NAME, "prompt": "after idempotence", "max_tokens": 4, **GREEDY}
+        assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_clear_cache_drops_prefix_hits_and_false_keeps_them(server: Server, rl: RLServeClient, mode: str) -> None:
+    # Long and unique per mode, so whole blocks exist and no other test's requests share them.
+    prompt = f"clear-cache test for mode {mode}: " + "the same long prefix, over and over; " * 4
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 6, "return_token_ids": True, **GREEDY}
+
+    def run() -> tuple[int, list[int]]:
+        with server.client() as http:
+            response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        assert out["usage"]["prompt_tokens"] > 3 * BLOCK_SIZE
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["token_ids"]
+
+    _, tokens = run()
+    cached, again = run()
+    assert cached > 0 and cached % BLOCK_SIZE == 0 and again == tokens
+
+    rl.pause(mode=mode, clear_cache=True)
+    rl.resume()
+    cached, again = run()
+    assert cached == 0 and again == tokens
+
+    rl.pause(mode=mode, clear_cache=False)
+    rl.resume()
+    cached, again = run()
+    assert cached > 0 and again == tokens
