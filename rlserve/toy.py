@@ -33,7 +33,8 @@ PRESETS: dict[str, dict] = {
         head_dim=32,
     ),
     "qwen3-0.6b-shape": dict(
-        vocab_size=151936, max_position_embeddings=40960,
+        vocab_size=151936,
+        max_position_embeddings=40960,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=28,

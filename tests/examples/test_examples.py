@@ -22,3 +22,10 @@ def test_custom_weight_transfer_backend_receives_an_update():
     before, after = (line.split(":", 1)[1] for line in out.splitlines()[:2])
     assert "{'file-1'}" in after
     assert before.strip() != after.split("(")[0].strip()
+
+
+def test_http_control_drives_a_server_through_an_update():
+    out = _run("http_control.py")
+    assert "versions: {'step-1'}" in out
+    assert "server weight version: step-1" in out
+
