@@ -16,6 +16,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     parser.add_argument("--max-logprobs", type=int, default=20)
@@ -46,6 +49,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
         max_logprobs=args.max_logprobs,
@@ -109,12 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
-    for module in ("rlserve.server.app", "rlserve.rl.demo", "rlserve.rl.parity"):
-        try:
-            mod = __import__(module, fromlist=["register_cli"])
-        except ImportError:
-            continue
-        mod.register_cli(sub)
+    # The other commands register their own arguments.
+    from rlserve.rl import demo, parity
+    from rlserve.server import app
+
+    for module in (app, demo, parity):
+        module.register_cli(sub)
     return parser
 
 
