@@ -207,6 +207,7 @@ def main() -> int:
         prompts, sps = workloads(name, spec.vocab_size, args.scale, seed=0)
         warm = [dict(prompt_token_ids=p["prompt_token_ids"][:16]) for p in prompts[:8]]
         llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.reset_prefix_cache()  # the warm-up's prompts are prefixes of the workload's: no free hits
         log.steps.clear()
         hits0 = llm.engine_core.kv_cache.prefix_hits, llm.engine_core.kv_cache.prefix_queries
         if args.profile and not rows:
