@@ -48,7 +48,7 @@ class AsyncLLM:
         self._wait_pauses: list[tuple[Callable[[], None], bool]] = []  # (resolve, clear_cache) for pause(mode="wait")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
-        self._errored: BaseException | None = None
+        self.error: BaseException | None = None  # set when a step failed; the engine then refuses new work
         self._thread = threading.Thread(target=self._core_loop, name="rlserve-engine-core", daemon=True)
         self._thread.start()
 
@@ -70,7 +70,7 @@ class AsyncLLM:
                     outputs = core.step()
                 except BaseException as e:  # a failing forward must reach the callers, not kill the thread silently
                     logger.exception("engine step failed")
-                    self._errored = e
+                    self.error = e
                     outputs = core.abort_requests(list(core.requests))
                 self._deliver(outputs)
             if self._wait_pauses and core.num_in_flight == 0:
@@ -124,8 +124,8 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas)."""
         self._bind_loop()
-        if self._errored is not None:
-            raise RuntimeError(f"the engine failed earlier: {self._errored!r}")
+        if self.error is not None:
+            raise RuntimeError(f"the engine failed earlier: {self.error!r}")
         params = sampling_params or SamplingParams()
         text, ids = tokenize_prompt(self.tokenizer, prompt)
         self.engine_core.validate(ids, params)  # reads only immutable engine facts; safe off the core thread

@@ -493,7 +493,8 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # A failed engine step leaves the engine refusing work: say so, so orchestrators restart it.
+        return Response(status_code=503 if engine.error is not None else 200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
