@@ -69,9 +69,12 @@ def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device)
     return model.eval().requires_grad_(False)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tuple[DecoderForCausalLM, PretrainedConfig]:
+def load_model(
+    model_dir: str, dtype: str | torch.dtype, device: torch.device
+) -> tuple[DecoderForCausalLM, PretrainedConfig]:
+    """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's)."""
     cfg = load_hf_config(model_dir)
-    model = build_model(cfg, dtype, device)
+    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device)
     names = {name for name, _ in model.checkpoint_weights()}
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):

@@ -12,7 +12,7 @@ from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.block_table import BlockTableBuffer
 from rlserve.model.cuda_graph import DecodeCUDAGraphs
-from rlserve.model.loader import load_hf_config, load_model, resolve_dtype
+from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 
@@ -44,9 +44,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        hf_config = load_hf_config(config.model)
-        self.dtype = resolve_dtype(config.dtype, hf_config)
-        self.model, self.hf_config = load_model(config.model, self.dtype, self.device)
+        self.model, self.hf_config = load_model(config.model, config.dtype, self.device)
+        self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
         self.fp32_head = config.lm_head_dtype == "float32"
         self.backend = create_attention_backend(config.attention_backend, self.device)
