@@ -28,4 +28,3 @@ def test_http_control_drives_a_server_through_an_update():
     out = _run("http_control.py")
     assert "versions: {'step-1'}" in out
     assert "server weight version: step-1" in out
-
