@@ -1,0 +1,58 @@
+"""Host cost of the engine loop (scheduler, core, output processing) with the model step replaced by an instant stub.
+
+On the GPU this work does not overlap the forward pass, so it adds to every step; this measures it on any machine,
+which makes it the CPU-side proxy to iterate on for issue 3 (W1 decodes 1,024 sequences per step).
+
+    OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --batch 1024 --output-len 128 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.model.runner import RunnerOutput
+from rlserve.toy import make_model_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model_dir = make_model_dir(tempfile.mkdtemp(), preset="tiny", max_position_embeddings=4096)
+    blocks = args.batch * ((args.prompt_len + args.output_len) // 16 + 2)
+    llm = LLM(str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=16384, num_kv_blocks=blocks)
+
+    def instant_step(scheduled):  # every request that reaches its last known token samples token 1
+        done = [s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens for s in scheduled]
+        return RunnerOutput([1 if d else None for d in done], [None] * len(scheduled), {})
+
+    llm.engine_core.runner.execute = instant_step
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 250, (args.prompt_len,), generator=g).tolist()} for _ in range(args.batch)
+    ]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    per_step = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        per_step.append((time.perf_counter() - t0) / args.output_len * 1e3)
+    print(
+        f"batch {args.batch}: host work per decode step {statistics.median(per_step):.1f} ms median "
+        f"(min {min(per_step):.1f}, max {max(per_step):.1f}, {args.repeats} runs; "
+        f"{statistics.median(per_step) * 1e3 / args.batch:.1f} us per request)"
+    )
+
+
+if __name__ == "__main__":
+    main()
