@@ -69,6 +69,7 @@ def make_model_dir(
     preset: str = "tiny",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    max_shard_size: str | int | None = None,
     **overrides,
 ) -> Path:
     """Write a randomly initialised model (config, safetensors, tokenizer) that loads like any HF checkpoint."""
@@ -92,7 +93,8 @@ def make_model_dir(
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(path)
+    # A small max_shard_size writes several shards plus model.safetensors.index.json, as large checkpoints are.
+    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if fields["vocab_size"] >= len(tokenizer):
         tokenizer.save_pretrained(path)
     return path

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlserve import LLM, RequestOutput, SamplingParams
 from rlserve.engine.request import Request
-from rlserve.toy import MODEL_TYPES, PRESETS, make_model_dir, make_tokenizer
+from rlserve.toy import make_model_dir
 
 # Tiny matmuls gain nothing from intra-op threads, and on a shared 2-core box oversubscription makes them ~5x slower.
 torch.set_num_threads(1)
@@ -33,25 +33,8 @@ KV_BLOCKS = 256
 
 
 def make_sharded_model_dir(path: Path, architecture: str = "LlamaForCausalLM", seed: int = 0) -> Path:
-    """Like toy.make_model_dir, but saved in many safetensors shards with a model.safetensors.index.json."""
-    tokenizer = make_tokenizer()
-    config = AutoConfig.for_model(
-        MODEL_TYPES[architecture],
-        architectures=[architecture],
-        vocab_size=len(tokenizer),
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        pad_token_id=tokenizer.pad_token_id,
-        initializer_range=INIT_RANGE,
-        **PRESETS["tiny"],
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path, max_shard_size="20KB")
-    tokenizer.save_pretrained(path)
+    """A toy checkpoint saved in many safetensors shards with a model.safetensors.index.json."""
+    make_model_dir(path, architecture, seed=seed, max_shard_size="20KB", initializer_range=INIT_RANGE)
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("*.safetensors"))) > 1
     return path
