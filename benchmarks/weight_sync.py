@@ -427,9 +427,9 @@ def run(
             )
             print(f"done: {cmd} -> {rows[-1].seconds:.4f} s", file=sys.stderr, flush=True)
         _send(engine_end, {"cmd": "exit"})
-        trainer.join(TIMEOUT_S)
     finally:
-        engine.shutdown()
+        engine.shutdown()  # before waiting for the trainer: both sides leave the group at the same time
+        trainer.join(TIMEOUT_S)
         if trainer.is_alive():
             trainer.kill()
             trainer.join(5)

@@ -238,17 +238,18 @@ class EngineCore:
         if not self.weight_update_active:
             raise RuntimeError("update_weights: no weight update in progress; call start_weight_update first")
         info = transfer.parse_update_info(update_info)
-        try:
-            self.runner.model.check_weights(
-                (n, tuple(s), _dtype(d)) for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
-            )
-        except ValueError:
-            # The trainer may already be sending: take its bytes and drop them so it does not hang.
-            transfer.discard_weights(info)
-            raise
-        transfer.receive_weights(info, self.runner.load_weights)
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+        with self.runner.on_device():
+            try:
+                self.runner.model.check_weights(
+                    (n, tuple(s), _dtype(d)) for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
+                )
+            except ValueError:
+                # The trainer may already be sending: take its bytes and drop them so it does not hang.
+                transfer.discard_weights(info)
+                raise
+            transfer.receive_weights(info, self.runner.load_weights)
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if not self.weight_update_active:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -44,6 +45,15 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        with self.on_device():
+            self._build(config)
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """Make this engine's GPU the thread's current one: Triton kernels and CUDA graph capture use the current
+        device (per thread), which for an engine on cuda:1 driven from any thread is not its own."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _build(self, config: EngineConfig) -> None:
         self.model, self.hf_config = load_model(config.model, config.dtype, self.device)
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
@@ -128,8 +138,12 @@ class ModelRunner:
         t = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
         return t.to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        with self.on_device():
+            return self._execute(scheduled)
+
+    @torch.inference_mode()
+    def _execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []

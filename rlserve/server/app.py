@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import logging
 import os
 import secrets
@@ -25,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import rlserve
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.llm import tokenize_prompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -484,7 +484,7 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
         raise ValueError(
             "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
         )
-    app = FastAPI(title="rlserve", version=importlib.metadata.version("rlserve"))
+    app = FastAPI(title="rlserve", version=rlserve.__version__)
     metrics = ServerMetrics(engine, served_model_name)
     serving = OpenAIServing(engine, served_model_name, metrics)
     auth = make_auth(api_key)
@@ -498,7 +498,7 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": importlib.metadata.version("rlserve")}
+        return {"version": rlserve.__version__}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

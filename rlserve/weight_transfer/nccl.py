@@ -45,7 +45,7 @@ class _Backend(Protocol):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
 
-    def shutdown(self) -> None: ...
+    def abort(self) -> None: ...
 
 
 class WeightTransferGroup:
@@ -127,8 +127,10 @@ class WeightTransferGroup:
             )
 
     def shutdown(self) -> None:
+        # abort, not shutdown: NCCL's graceful destroy waits for every rank to destroy too, so an engine shutting
+        # down while its trainer lives (or is gone) would hang. Nothing is in flight here: each broadcast was waited on.
         for backend in self._backends.values():
-            backend.shutdown()
+            backend.abort()
         self._backends.clear()
 
 
