@@ -1,4 +1,4 @@
-"""Host cost of the engine loop (scheduler, core, output processing) with the model step replaced by an instant stub.
+"""Host cost of the engine loop (scheduler, core, output processing) with the model launch replaced by an instant stub.
 
 On the GPU this work does not overlap the forward pass, so it adds to every step; this measures it on any machine,
 which makes it the CPU-side proxy to iterate on for issue 3 (W1 decodes 1,024 sequences per step).
@@ -16,7 +16,7 @@ import time
 import torch
 
 from rlserve import LLM, SamplingParams
-from rlserve.model.runner import RunnerOutput
+from rlserve.model.runner import LaunchedStep
 from rlserve.toy import make_model_dir
 
 
@@ -32,11 +32,17 @@ def main() -> None:
     blocks = args.batch * ((args.prompt_len + args.output_len) // 16 + 2)
     llm = LLM(str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=16384, num_kv_blocks=blocks)
 
-    def instant_step(scheduled):  # every request that reaches its last known token samples token 1
-        done = [s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens for s in scheduled]
-        return RunnerOutput([1 if d else None for d in done], [None] * len(scheduled), {})
+    def instant_launch(scheduled, prev):  # every request that reaches its last known token samples token 1
+        rows = [
+            i
+            for i, s in enumerate(scheduled)
+            if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+        ]
+        ones = torch.ones(len(rows), dtype=torch.long)
+        index = {scheduled[i].request.request_id: j for j, i in enumerate(rows)}
+        return LaunchedStep(scheduled, rows, index, [], ones, ones, None, None)
 
-    llm.engine_core.runner.execute = instant_step
+    llm.engine_core.runner.launch = instant_launch
     g = torch.Generator().manual_seed(0)
     prompts = [
         {"prompt_token_ids": torch.randint(0, 250, (args.prompt_len,), generator=g).tolist()} for _ in range(args.batch)

@@ -11,6 +11,7 @@ and the KV of every scheduled sequence and write the new KV (bandwidth measured 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -66,15 +67,15 @@ def instrument(llm: LLM) -> StepLog:
     """Record what every step computed (benchmark-only wrapper around the runner)."""
     log = StepLog()
     runner = llm.engine_core.runner
-    execute = runner.execute
+    launch = runner.launch
 
-    def logged(scheduled):
+    def logged(scheduled, prev):
         tokens = sum(s.num_new_tokens for s in scheduled)
         context = sum(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
         log.steps.append((tokens, context, len(scheduled)))
-        return execute(scheduled)
+        return launch(scheduled, prev)
 
-    runner.execute = logged
+    runner.launch = logged
     return log
 
 
@@ -116,7 +117,7 @@ def run_engine(llm: LLM, prompts, params) -> tuple[float, int]:
 
 def profile_host(llm: LLM, prompts, params) -> None:
     """Where the wall time of a run goes, by Python function; time spent waiting on the GPU shows up in the
-    synchronising calls (tolist)."""
+    synchronising call (the event wait in ModelRunner.resolve)."""
     import cProfile
     import pstats
 
@@ -151,7 +152,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument("--workloads", default="W1,W2,W3", help="comma list; NAME/sync runs NAME without async scheduling")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's prompts (CPU runs)")
     ap.add_argument("--hf", default="dynamic", help="comma list of HF baselines: dynamic, static, none")
     ap.add_argument("--hf-batch", type=int, default=256)
@@ -203,8 +204,12 @@ def main() -> int:
     )
     log = instrument(llm)
     rows = []
+    core = llm.engine_core
     for name in args.workloads.split(","):
-        prompts, sps = workloads(name, spec.vocab_size, args.scale, seed=0)
+        # "W1/sync": the same workload without async scheduling, to show what overlapping host and device buys.
+        base, _, variant = name.partition("/")
+        core.config = dataclasses.replace(core.config, async_scheduling=variant != "sync")
+        prompts, sps = workloads(base, spec.vocab_size, args.scale, seed=0)
         warm = [dict(prompt_token_ids=p["prompt_token_ids"][:16]) for p in prompts[:8]]
         llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
         llm.reset_prefix_cache()  # the warm-up's prompts are prefixes of the workload's: no free hits

@@ -30,6 +30,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lm-head-dtype", default=None, choices=["float32"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="read each step back before scheduling the next (no overlap of host and device work)",
+    )
+    parser.add_argument(
         "--weight-transfer-config",
         type=json.loads,
         default=None,
@@ -56,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         logprobs_mode=args.logprobs_mode,
         lm_head_dtype=args.lm_head_dtype,
         enforce_eager=args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
         weight_transfer_config=WeightTransferConfig(**wt) if wt else None,
     )
 

@@ -36,6 +36,8 @@ class EngineConfig:
     logprobs_mode: LogprobsMode = "raw_logprobs"
     lm_head_dtype: str | None = None  # "float32" runs the LM head in fp32
     enforce_eager: bool = False
+    # Schedule and launch step N+1 before reading back step N, so host work overlaps device work.
+    async_scheduling: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     weight_transfer_config: WeightTransferConfig | None = field(default=None)
 

@@ -15,7 +15,7 @@ from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
-from rlserve.model.runner import ModelRunner, PositionLogprobsData
+from rlserve.model.runner import LaunchedStep, ModelRunner, PositionLogprobsData
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION
 from rlserve.sampling_params import SamplingParams
 
@@ -36,6 +36,13 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _InFlightStep:
+    launched: LaunchedStep
+    starts: list[int]  # each scheduled request's num_computed_tokens at launch
+    weight_version: str  # the weights the step ran with
 
 
 class EngineCore:
@@ -66,6 +73,8 @@ class EngineCore:
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weight_transfer = None  # created by init_weight_transfer_engine
         self.weight_update_active = False
+        self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
+        self._pending_outputs: list[EngineCoreOutput] = []  # read back by _drain, returned by the next step
         self.num_generated_tokens = 0  # counters for metrics
         self.num_steps = 0
 
@@ -111,7 +120,7 @@ class EngineCore:
             if request is None:
                 continue
             self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(request, [], [], None))
+            outputs.append(self._output(request, [], [], None, self.weight_version))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -123,47 +132,79 @@ class EngineCore:
         return bool(self.requests)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_schedulable_work()
+        return self.scheduler.has_schedulable_work() or self._in_flight is not None or bool(self._pending_outputs)
 
     def step(self) -> list[EngineCoreOutput]:
+        """Read back one step's results. With async scheduling the next step is scheduled and launched first, so
+        the host work of step N+1 (scheduling, input preparation) and of step N (stop checks, outputs) overlaps the
+        device work of step N+1; requests that step N finishes have one wasted token computed in step N+1."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        try:
+            current = self._in_flight or self._launch(None)
+            self._in_flight = None
+            if current is None:
+                return outputs
+            if self.config.async_scheduling:
+                self._in_flight = self._launch(current)
+            outputs += self._resolve(current)
+        except BaseException:
+            self._in_flight = None
+            raise
+        return outputs
+
+    def _launch(self, prev: _InFlightStep | None) -> _InFlightStep | None:
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
-        result = self.runner.execute(scheduled)
-        self.scheduler.update_after_step(scheduled)
+            return None
+        starts = [item.request.num_computed_tokens for item in scheduled]
+        launched = self.runner.launch(scheduled, prev.launched if prev is not None else None)
+        self.scheduler.advance(scheduled, launched.sample_rows)
+        return _InFlightStep(launched, starts, self.weight_version)
+
+    def _resolve(self, step: _InFlightStep) -> list[EngineCoreOutput]:
+        result = self.runner.resolve(step.launched)
         self.num_steps += 1
         outputs = []
-        for i, item in enumerate(scheduled):
+        for i, item in enumerate(step.launched.scheduled):
             request = item.request
+            if request.status.finished:  # finished or aborted while this step ran: its row was wasted work
+                continue
+            start = step.starts[i]
+            # A request preempted since the launch has no KV left to share (num_computed_tokens is 0).
+            self.kv_cache.commit_full_blocks(request, min(start + item.num_new_tokens, request.num_computed_tokens))
             token = result.sampled_token_ids[i]
             prompt_logprobs = result.prompt_logprobs.get(i)
-            if prompt_logprobs is not None:
-                first = request.num_computed_tokens - item.num_new_tokens  # prompt position of the chunk's first row
-                prompt_logprobs = prompt_logprobs[max(0, request.num_prompt_logprobs_emitted - first) :]
+            if prompt_logprobs is not None:  # the chunk's first row is prompt position `start`
+                prompt_logprobs = prompt_logprobs[max(0, request.num_prompt_logprobs_emitted - start) :]
                 request.num_prompt_logprobs_emitted += len(prompt_logprobs)
             if token is None and not prompt_logprobs:
                 continue
             new_tokens = []
             if token is not None:
-                request.append_output_token(token)
                 new_tokens = [token]
                 self.num_generated_tokens += 1
-                status = request.check_stop()
+                status = request.resolve_placeholder(token)
                 if status is not None:
                     self._finish(request, status)
-            outputs.append(
-                self._output(request, new_tokens, [result.logprobs[i]] if new_tokens else [], prompt_logprobs)
-            )
+            logprobs = [result.logprobs[i]] if new_tokens else []
+            outputs.append(self._output(request, new_tokens, logprobs, prompt_logprobs, step.weight_version))
         return outputs
 
-    def _output(self, request, new_tokens, new_logprobs, prompt_logprobs) -> EngineCoreOutput:
+    def _drain(self) -> None:
+        """Read back the step in flight (its outputs go out with the next `step`), so that the engine's state is
+        settled: no placeholders, no device work that could race what the caller does next."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._pending_outputs += self._resolve(step)
+
+    def _output(self, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str) -> EngineCoreOutput:
         finished = request.status.finished
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_tokens,
             new_logprobs=new_logprobs,
             new_prompt_logprobs=prompt_logprobs,
-            weight_version=self.weight_version,
+            weight_version=weight_version,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -193,6 +234,7 @@ class EngineCore:
 
     def clear_cache(self) -> None:
         """Drop all KV: running requests are preempted (they recompute later) and the prefix cache is emptied."""
+        self._drain()
         self.scheduler.preempt_all()
         self.kv_cache.reset_prefix_cache()
 
@@ -228,12 +270,14 @@ class EngineCore:
         return self.weight_transfer
 
     def start_weight_update(self) -> None:
+        self._drain()
         self._require_transfer_engine("start_weight_update")
         if self.weight_update_active:
             raise RuntimeError("start_weight_update: a weight update is already in progress; finish it first")
         self.weight_update_active = True
 
     def update_weights(self, update_info: dict) -> None:
+        self._drain()  # no step may run while weights are being written (the core steps between update calls)
         transfer = self._require_transfer_engine("update_weights")
         if not self.weight_update_active:
             raise RuntimeError("update_weights: no weight update in progress; call start_weight_update first")
@@ -252,6 +296,7 @@ class EngineCore:
                 torch.cuda.synchronize(self.runner.device)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._drain()
         if not self.weight_update_active:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update")
         self.weight_update_active = False
@@ -262,11 +307,13 @@ class EngineCore:
 
     def load_weights_direct(self, weights) -> int:
         """Write checkpoint-format tensors straight into the model (the trainer shares this process)."""
+        self._drain()
         written = self.runner.load_weights(weights)
         self.kv_cache.reset_prefix_cache()
         return written
 
     def checksums(self) -> dict[str, str]:
+        self._drain()
         from rlserve.weight_transfer.checksum import weight_checksums
 
         return weight_checksums(self.runner.model.checkpoint_weights())

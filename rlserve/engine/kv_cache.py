@@ -111,11 +111,12 @@ class KVCacheManager:
             request.block_table.append(self._take_free_block().block_id)
         return True
 
-    def commit_full_blocks(self, request: Request) -> None:
-        """Register blocks that became full after a step so later requests can share them."""
+    def commit_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register blocks that became full once the request's first num_computed_tokens are in the cache (a step
+        has finished), so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_computed_tokens // self.block_size
         first = self.num_committed.get(request.request_id, 0)
         if num_full <= first or self.request_epoch.get(request.request_id) != self.epoch:
             return

@@ -9,6 +9,9 @@ import torch
 
 from rlserve.sampling_params import SamplingParams
 
+# A token id that is never a real one (prompts are checked against [0, vocab)): marks a sampled token still on the GPU.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -34,6 +37,7 @@ class Request:
     # Prompt and output tokens; the KV cache holds the first num_computed_tokens of them.
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_placeholders: int = 0  # trailing output tokens sampled by a step whose results are not read yet
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hits at the first admission; -1 until admitted
     num_preemptions: int = 0
@@ -58,23 +62,42 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Including placeholders: what the next sample's position and the length limits count."""
         return len(self.output_token_ids)
 
     @property
     def below_min_tokens(self) -> bool:
         return self.num_output_tokens < self.sampling_params.min_tokens
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+    def append_placeholder(self) -> None:
+        """Stand in for a token sampled on the device but not yet read back (the next step reads it there)."""
+        self.output_token_ids.append(PLACEHOLDER)
+        self.all_token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
 
-    def check_stop(self) -> RequestStatus | None:
+    def resolve_placeholder(self, token_id: int) -> RequestStatus | None:
+        """Put the oldest placeholder's real token in place; return the status it finishes the request with, if any.
+
+        A finished request drops its later placeholders: tokens sampled after the stop are not part of its output.
+        """
+        index = len(self.output_token_ids) - self.num_placeholders
+        self.output_token_ids[index] = token_id
+        self.all_token_ids[self.num_prompt_tokens + index] = token_id
+        self.num_placeholders -= 1
+        status = self._check_stop(token_id, index + 1)
+        if status is not None and self.num_placeholders:
+            del self.output_token_ids[-self.num_placeholders :]
+            del self.all_token_ids[-self.num_placeholders :]
+            self.num_placeholders = 0
+        return status
+
+    def _check_stop(self, token_id: int, num_output: int) -> RequestStatus | None:
         """Stop conditions that need no text: stop/EOS token ids and length limits."""
-        num_output = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
-        if last in self.stop_ids and num_output >= self.sampling_params.min_tokens:
+        if token_id in self.stop_ids and num_output >= self.sampling_params.min_tokens:
             self.stop_reason = (
-                None if last in self.eos_token_ids and last not in self.sampling_params.stop_token_ids else last
+                None
+                if token_id in self.eos_token_ids and token_id not in self.sampling_params.stop_token_ids
+                else token_id
             )
             return RequestStatus.FINISHED_STOPPED
         if num_output >= self.max_output_tokens:

@@ -32,11 +32,6 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
@@ -74,6 +69,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_output_tokens >= request.max_output_tokens:
+                i += 1  # its last token is still on the device; reading it back finishes the request
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running[-1]
@@ -130,10 +128,13 @@ class Scheduler:
         for request in reversed(list(self.running)):
             self.preempt(request)
 
-    def update_after_step(self, scheduled: list[ScheduledRequest]) -> None:
+    def advance(self, scheduled: list[ScheduledRequest], sample_rows: list[int]) -> None:
+        """Account for a launched step: its tokens count as computed, and each request that samples gets a
+        placeholder token, so the next step can be scheduled before this one's tokens are read back."""
         for item in scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.commit_full_blocks(item.request)
+        for i in sample_rows:
+            scheduled[i].request.append_placeholder()
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from rlserve.config import EngineConfig
+from rlserve.engine.request import PLACEHOLDER
 from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.block_table import BlockTableBuffer
@@ -31,6 +32,25 @@ class RunnerOutput:
     logprobs: list[PositionLogprobsData | None]
     # request index in the scheduled list -> logprobs of the prompt tokens this step's chunk predicts
     prompt_logprobs: dict[int, list[PositionLogprobsData]]
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step whose device work is enqueued; its results are read back by `ModelRunner.resolve`."""
+
+    scheduled: list[ScheduledRequest]
+    sample_rows: list[int]  # index into `scheduled` of each request that samples
+    sample_index: dict[str, int]  # request id -> row of its token in sampled_token_ids
+    prompt_rows: list[tuple[int, int, int]]  # (scheduled index, first hidden row, count)
+    sampled_token_ids: torch.Tensor  # on the device: the next step's placeholder inputs come from here
+    host_token_ids: torch.Tensor  # the same, being copied to (pinned) host memory
+    host_logprobs: LogprobsTensors | None
+    host_prompt_logprobs: LogprobsTensors | None
+    done: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU, where work is synchronous
+
+
+def _copy_to_host(t: LogprobsTensors) -> LogprobsTensors:
+    return LogprobsTensors(*(getattr(t, f.name).to("cpu", non_blocking=True) for f in fields(t)))
 
 
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
@@ -138,12 +158,39 @@ class ModelRunner:
         t = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
         return t.to(self.device, non_blocking=True)
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
-        with self.on_device():
-            return self._execute(scheduled)
+    def launch(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> LaunchedStep:
+        """Enqueue one step's forward pass and sampling on the device and return without waiting for them.
 
-    @torch.inference_mode()
-    def _execute(self, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        Decode inputs that are placeholders (tokens `prev` sampled, not read back yet) are taken from `prev`'s
+        sampled ids on the device, so this step can be prepared while `prev` still runs.
+        """
+        with self.on_device(), torch.inference_mode():
+            return self._launch(scheduled, prev)
+
+    def resolve(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step and return its tokens and logprobs as host values."""
+        if step.done is not None:
+            step.done.synchronize()
+        sampled: list[int | None] = [None] * len(step.scheduled)
+        logprobs: list[PositionLogprobsData | None] = [None] * len(step.scheduled)
+        for i, token in zip(step.sample_rows, step.host_token_ids.tolist(), strict=True):
+            sampled[i] = token
+        if step.host_logprobs is not None:
+            for i, row in zip(step.sample_rows, _to_host(step.host_logprobs), strict=True):
+                k = step.scheduled[i].request.sampling_params.logprobs
+                if k is not None:
+                    logprobs[i] = (row[0][:k], row[1][:k], row[2], row[3])
+        prompt_logprobs: dict[int, list[PositionLogprobsData]] = {}
+        if step.host_prompt_logprobs is not None:
+            host = _to_host(step.host_prompt_logprobs)
+            offset = 0
+            for i, _, count in step.prompt_rows:
+                kk = step.scheduled[i].request.sampling_params.prompt_logprobs
+                prompt_logprobs[i] = [(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]]
+                offset += count
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _launch(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> LaunchedStep:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -152,6 +199,8 @@ class ModelRunner:
         rows: list[int] = []
         sample_rows: list[int] = []  # index into `scheduled` of each request that samples
         logits_indices: list[int] = []
+        placeholder_rows: list[int] = []  # input rows whose token `prev` sampled ...
+        placeholder_sources: list[int] = []  # ... and where it sits in prev's sampled ids
         prompt_rows: list[tuple[int, int, int]] = []  # (scheduled index, first hidden row, count)
         prompt_targets: list[int] = []
         bs = self.block_size
@@ -161,10 +210,14 @@ class ModelRunner:
             first_row = len(input_ids)
             table = request.block_table
             if n == 1:  # decode: the common case, kept free of per-token loops
-                input_ids.append(request.all_token_ids[start])
+                token = request.all_token_ids[start]
+                if token == PLACEHOLDER:
+                    placeholder_rows.append(first_row)
+                    placeholder_sources.append(prev.sample_index[request.request_id])
+                input_ids.append(token)
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
-            else:
+            else:  # prefill chunks never hold placeholders: a request samples only once its prompt is computed
                 input_ids.extend(request.all_token_ids[start : start + n])
                 positions.extend(range(start, start + n))
                 slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -183,6 +236,9 @@ class ModelRunner:
         max_seq_len = max(seq_lens)
         block_tables = self.block_table_buffer.gather(rows, -(-max_seq_len // bs)).to(self.device, non_blocking=True)
         ids = self._host_tensor(input_ids, torch.long)
+        if placeholder_rows:
+            sources = self._host_tensor(placeholder_sources, torch.long)
+            ids[self._host_tensor(placeholder_rows, torch.long)] = prev.sampled_token_ids[sources]
         pos = self._host_tensor(positions, torch.long)
         slots = self._host_tensor(slot_mapping, torch.long)
         seq_lens_t = self._host_tensor(seq_lens, torch.int32)
@@ -207,8 +263,8 @@ class ModelRunner:
             )
             hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
 
-        sampled: list[int | None] = [None] * len(scheduled)
-        logprobs: list[PositionLogprobsData | None] = [None] * len(scheduled)
+        sampled_token_ids = torch.empty(0, dtype=torch.long, device=self.device)
+        logprobs = None
         if sample_rows:
             requests = [scheduled[i].request for i in sample_rows]
             sample_hidden = (
@@ -218,26 +274,29 @@ class ModelRunner:
             )
             logits = self.model.compute_logits(sample_hidden, self.fp32_head)
             out = self.sampler(logits, self._sampling_metadata(requests))
-            for i, token in zip(sample_rows, out.token_ids.tolist(), strict=True):
-                sampled[i] = token
-            if out.logprobs is not None:
-                for i, row in zip(sample_rows, _to_host(out.logprobs), strict=True):
-                    k = scheduled[i].request.sampling_params.logprobs
-                    if k is not None:
-                        logprobs[i] = (row[0][:k], row[1][:k], row[2], row[3])
-        prompt_logprobs: dict[int, list[PositionLogprobsData]] = {}
+            sampled_token_ids, logprobs = out.token_ids, out.logprobs
+        prompt_logprobs = None
         if prompt_rows:
             dev = self.device
             rows_t = torch.cat([torch.arange(r, r + c, device=dev) for _, r, c in prompt_rows])
             values = self.model.compute_logits(hidden[rows_t], self.fp32_head).float().log_softmax(-1)
             k = max(scheduled[i].request.sampling_params.prompt_logprobs for i, _, _ in prompt_rows)
-            host = _to_host(gather_logprobs(values, k, self._host_tensor(prompt_targets, torch.long)))
-            offset = 0
-            for i, _, count in prompt_rows:
-                kk = scheduled[i].request.sampling_params.prompt_logprobs
-                prompt_logprobs[i] = [(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]]
-                offset += count
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+            prompt_logprobs = gather_logprobs(values, k, self._host_tensor(prompt_targets, torch.long))
+        # Start the copies back now; `resolve` waits for them (and so for the whole step) only when it needs them.
+        step = LaunchedStep(
+            scheduled=scheduled,
+            sample_rows=sample_rows,
+            sample_index={scheduled[i].request.request_id: j for j, i in enumerate(sample_rows)},
+            prompt_rows=prompt_rows,
+            sampled_token_ids=sampled_token_ids,
+            host_token_ids=sampled_token_ids.to("cpu", non_blocking=True),
+            host_logprobs=None if logprobs is None else _copy_to_host(logprobs),
+            host_prompt_logprobs=None if prompt_logprobs is None else _copy_to_host(prompt_logprobs),
+        )
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's host-side state."""

@@ -27,6 +27,7 @@ MAX_TOKENS = [8, 24, 16, 12, 20, 10, 14]
 PREEMPTING = {"block_size": 4, "num_kv_blocks": 16, "max_model_len": 64}
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
+    "no-async-scheduling": {"async_scheduling": False},
     "chunked": {"max_num_batched_tokens": 8},
     "no-prefix-cache": {"enable_prefix_caching": False},
     "max-num-seqs-2": {"max_num_seqs": 2},
