@@ -157,7 +157,8 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
-        await self._call(lambda core: core.abort_requests(child_ids))
+        # The core's outputs first: they carry tokens it held back for final-only requests.
+        self._on_core_outputs(await self._call(lambda core: core.abort_requests(child_ids)))
         for rid in request_ids:
             out = self.output_processor.abort(rid)
             stream = self._streams.get(rid)

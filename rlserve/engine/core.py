@@ -120,7 +120,7 @@ class EngineCore:
             if request is None:
                 continue
             self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(request, [], [], None, self.weight_version))
+            self._emit(outputs, request, [], [], None, request.held_weight_version or self.weight_version)
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -187,8 +187,34 @@ class EngineCore:
                 if status is not None:
                     self._finish(request, status)
             logprobs = [result.logprobs[i]] if new_tokens else []
-            outputs.append(self._output(request, new_tokens, logprobs, prompt_logprobs, step.weight_version))
+            self._emit(outputs, request, new_tokens, logprobs, prompt_logprobs, step.weight_version)
         return outputs
+
+    def _emit(self, outputs, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str) -> None:
+        """Add the request's output for this step, or hold its tokens when its caller wants only the final output
+        (an output object per request per step is most of the host's work at large batches). Held tokens go out
+        with the finishing output, or first on their own when the weight version changes (one version per output)."""
+        if request.held_token_ids and request.held_weight_version != weight_version:
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    request.held_token_ids,
+                    request.held_logprobs,
+                    None,
+                    request.held_weight_version,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            request.held_token_ids, request.held_logprobs = [], []
+        if request.holds_outputs and not request.status.finished and not prompt_logprobs:
+            request.held_token_ids += new_tokens
+            request.held_logprobs += new_logprobs
+            request.held_weight_version = weight_version
+            return
+        if request.held_token_ids:
+            new_tokens, new_logprobs = request.held_token_ids + new_tokens, request.held_logprobs + new_logprobs
+            request.held_token_ids, request.held_logprobs = [], []
+        outputs.append(self._output(request, new_tokens, new_logprobs, prompt_logprobs, weight_version))
 
     def _drain(self) -> None:
         """Read back the step in flight (its outputs go out with the next `step`), so that the engine's state is

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlserve.sampling_params import SamplingParams
+from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 # A token id that is never a real one (prompts are checked against [0, vocab)): marks a sampled token still on the GPU.
 PLACEHOLDER = -1
@@ -44,6 +44,10 @@ class Request:
     num_prompt_logprobs_emitted: int = 0  # recompute after preemption must not emit them twice
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Tokens (and their logprobs) sampled but not yet sent, for requests whose caller wants only the final output.
+    held_token_ids: list[int] = field(default_factory=list)
+    held_logprobs: list = field(default_factory=list)
+    held_weight_version: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -51,6 +55,8 @@ class Request:
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         budget = self.max_model_len - len(self.prompt_token_ids)
         self.max_output_tokens = budget if p.max_tokens is None else min(p.max_tokens, budget)
+        # Stop strings are found in the text, which is built as tokens arrive: those requests send every token.
+        self.holds_outputs = p.output_kind is RequestOutputKind.FINAL_ONLY and not p.stop
 
     @property
     def num_prompt_tokens(self) -> int:

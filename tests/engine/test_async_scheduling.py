@@ -6,9 +6,11 @@ logprobs, stops that leave a wasted token in flight, preemption), and no placeho
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from rlserve import SamplingParams
+from rlserve import RequestOutputKind, SamplingParams
 from rlserve.engine.request import PLACEHOLDER
 
 PROMPTS = [
@@ -102,3 +104,41 @@ def test_next_step_launches_before_the_previous_is_read(qwen3_dir, make_llm, gen
     assert events.count("launch") == events.count("resolve")
     # Length limits are known at launch: no request is given a token beyond max_tokens, so no row is wasted.
     assert sampled_rows == sum(len(c.token_ids) for o in outputs for c in o.outputs) == 12 * len(PROMPTS)
+
+
+def test_final_only_requests_send_their_tokens_at_the_end(qwen3_dir, make_llm) -> None:
+    """Final-only requests get one output, not one per step; a weight-version change splits it so that every token
+    keeps the version it was sampled with, and an abort still returns what was sampled."""
+    llm = make_llm(qwen3_dir)
+    core = llm.engine_core
+    prompt = PROMPTS[1]["prompt_token_ids"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    expected = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0]
+    final_only = dataclasses.replace(greedy, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    core.add_request("a", prompt, final_only)
+    core.add_request("b", prompt, final_only)
+    outputs = []
+    for _ in range(5):
+        outputs += core.step()
+    assert outputs == []
+    llm.update_weight_version("v2")
+    aborted = core.abort_requests(["b"])
+    while core.has_work():
+        outputs += core.step()
+
+    assert [(o.request_id, o.finish_reason, o.weight_version) for o in outputs] == [
+        ("a", None, "default"),
+        ("a", "length", "v2"),
+    ]
+    assert [t for o in outputs for t in o.new_token_ids] == expected.token_ids
+    # new_logprobs rows are (top ids, top values, the token's value, its rank)
+    assert [row[2] for o in outputs for row in o.new_logprobs] == pytest.approx(
+        [lp[t].logprob for lp, t in zip(expected.logprobs, expected.token_ids, strict=True)], abs=1e-5
+    )
+    (abort,) = aborted
+    assert abort.finish_reason == "abort" and abort.weight_version == "default"
+    assert (
+        0 < len(abort.new_token_ids) == len(abort.new_logprobs)
+        and abort.new_token_ids == (expected.token_ids[: len(abort.new_token_ids)])
+    )
