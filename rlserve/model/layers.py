@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Triton is an optional dependency (the `gpu` extra); without it CUDA runs the PyTorch code below too.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def fused_kernels(x: torch.Tensor) -> ModuleType | None:
+    """rlserve.model.fused_ops when its Triton kernels should run on x, else None (run the PyTorch code).
+
+    The kernels run only on CUDA, and only when autograd records nothing: they have no backward, and the trainer's
+    forward (rlserve.rl.train_forward) needs one. The PyTorch code is their reference and the CPU path.
+    """
+    if not (x.is_cuda and _HAS_TRITON and not torch.is_grad_enabled()):
+        return None
+    from rlserve.model import fused_ops  # imported on first use, so that CPU-only runs never load Triton
+
+    return fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -14,11 +33,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (ops := fused_kernels(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         # Hugging Face's op order (normalise in fp32, cast back, then scale), so outputs agree with it in any dtype.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual): the decoder's residual add fused into the norm that follows it."""
+        if (ops := fused_kernels(x)) is not None:
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual
 
 
 class RotaryEmbedding:
@@ -39,6 +67,30 @@ class RotaryEmbedding:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def norm_and_rotate_qk(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rotary: RotaryEmbedding,
+    qk_norms: tuple[RMSNorm, RMSNorm] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm (when qk_norms is given), then the rotary embedding; q/k: [tokens, heads, dim].
+
+    The fused kernel rewrites q and k in place (they are views into the qkv projection output, used only here), so
+    the attention backend gets strided views where the PyTorch path hands it new tensors; both accept either.
+    """
+    if (ops := fused_kernels(q)) is not None:
+        if qk_norms is None:
+            ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, None, None, 0.0)
+        else:
+            q_norm, k_norm = qk_norms
+            ops.qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_norm.weight, k_norm.weight, q_norm.eps)
+        return q, k
+    if qk_norms is not None:
+        q, k = qk_norms[0](q), qk_norms[1](k)
+    return rotary(positions, q), rotary(positions, k)
+
+
 class FusedLinear(nn.Linear):
     """A linear layer whose output rows are several checkpoint tensors stacked (q/k/v or gate/up).
 
@@ -55,5 +107,7 @@ class FusedLinear(nn.Linear):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if (ops := fused_kernels(x)) is not None:
+        return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

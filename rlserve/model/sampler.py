@@ -6,10 +6,17 @@ the distribution actually sampled from: the "processed" values. Greedy rows take
 truncation. Random rows use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p and needs
 no host synchronisation; a request with a seed draws its E from its own generator, so its tokens do not depend on
 what else is in the batch.
+
+On CUDA, a batch that uses temperature only (no min-p, top-k, top-p or min_tokens masking, no seeded request) and
+wants at most the chosen token's logprob goes to one fused Triton kernel (rlserve.model.sampling_kernels) instead of
+the PyTorch passes below: the same distributions and the same logprob values and ranks, from one read of the logits
+in their own dtype (two with logprobs). Its random stream is keyed by a seed drawn from torch's CPU generator.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +83,36 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+@functools.cache
+def _fused_sample() -> Callable | None:
+    """sampling_kernels.fused_sample, or None where Triton cannot be imported."""
+    try:
+        from rlserve.model.sampling_kernels import fused_sample
+    except ImportError:
+        return None
+    return fused_sample
+
+
+def fused_path_applies(meta: SamplingMetadata) -> bool:
+    """Whether the fused kernel covers the batch's settings: temperature only, no seeded request, and at most the
+    chosen token's logprob."""
+    return (
+        meta.top_k is None
+        and meta.top_p is None
+        and meta.min_p is None
+        and not meta.min_tokens_mask
+        and meta.max_num_logprobs <= 0
+        and all(g is None for g in meta.generators)
+    )
+
+
 class Sampler:
     def __init__(self, logprobs_mode: LogprobsMode) -> None:
         self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.is_cuda and fused_path_applies(meta) and _fused_sample() is not None:
+            return self._sample_fused(logits, meta)
         logits = logits.float()
         raw = logits
         if meta.min_tokens_mask:
@@ -111,6 +143,17 @@ class Sampler:
             }[self.logprobs_mode]()
             logprobs = gather_logprobs(values, meta.max_num_logprobs, token_ids)
         return SamplerOutput(token_ids, logprobs)
+
+    def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # From the CPU generator: a draw on the device would need a sync to reach the kernel's arguments.
+        seed = int(torch.randint(2**31 - 1, ()))
+        mode = self.logprobs_mode if meta.max_num_logprobs == 0 else None
+        token_ids, values, ranks = _fused_sample()(logits, meta.temperature, meta.greedy, seed, meta.all_greedy, mode)
+        if values is None:
+            return SamplerOutput(token_ids, None)
+        num_rows = token_ids.shape[0]
+        no_topk = LogprobsTensors(token_ids.new_empty(num_rows, 0), values.new_empty(num_rows, 0), values, ranks)
+        return SamplerOutput(token_ids, no_topk)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -4,38 +4,19 @@ Shapes are tiny so the interpreter stays fast; every case randomises the block t
 cache slots that no sequence owns with NaN (any stray read shows up), feeds strided q/k/v views as a fused qkv
 projection produces them, and poisons the output with NaN so an unwritten element fails.
 
-Triton decides at import time whether its own library functions are interpreted, so TRITON_INTERPRET must be set
-before the first `import triton`. When something imported triton earlier in this process (tests/conftest.py's
-transformers import does), the checks run in a fresh Python process instead, and this process is left untouched.
+interpret_helpers.py sets the interpreter up (or re-runs these checks in a fresh process where triton was imported
+before it could).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import dataclass
 
-# Decided before anything below can import triton.
-IN_PROCESS = os.environ.get("TRITON_INTERPRET") == "1" or "triton" not in sys.modules
-if IN_PROCESS:
-    os.environ["TRITON_INTERPRET"] = "1"
+import interpret_helpers  # first: sets TRITON_INTERPRET before anything imports triton
+import pytest
+import torch
 
-
-def _minor_version(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int(minor)
-
-
-from dataclasses import dataclass  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-if _minor_version(triton.__version__) < (3, 7) and _minor_version(np.__version__) >= (2, 4):
-    pytest.skip("Triton < 3.7's interpreter breaks on numpy >= 2.4 (triton-lang/triton#9171)", allow_module_level=True)
+interpret_helpers.require_triton()
 
 from rlserve.model.attention.triton_ops import (  # noqa: E402
     paged_attention,
@@ -43,21 +24,12 @@ from rlserve.model.attention.triton_ops import (  # noqa: E402
     store_kv_cache,
 )
 
-interpreted = pytest.mark.skipif(
-    not IN_PROCESS,
-    reason="triton was imported before TRITON_INTERPRET was set; test_in_fresh_process runs these checks",
-)
+interpreted = interpret_helpers.interpreted
 
-if not IN_PROCESS:
+if not interpret_helpers.IN_PROCESS:
 
     def test_in_fresh_process():
-        root = Path(__file__).resolve().parents[2]
-        env = dict(
-            os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-        )
-        cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "--noconftest"]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+        interpret_helpers.run_in_fresh_process(__file__)
 
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
