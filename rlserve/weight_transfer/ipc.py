@@ -229,9 +229,13 @@ def _send_packed(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, buf
     buffer: torch.Tensor | None = None
     handle: dict[str, list[Any]] = {}
     chunk: dict[str, list[Any]] = {"names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []}
+    pending: list[torch.Tensor] = []  # the chunk's tensors as bytes, packed by one cat at flush (not 310 copies)
     used = 0
 
     def flush(is_last: bool) -> None:
+        if pending:
+            torch.cat(pending, out=buffer[:used])
+            pending.clear()
         torch.cuda.synchronize()  # the copies into the buffer must be complete before the engine reads it
         send({**chunk, "ipc_handles": handle, "packed": True, "is_last_chunk": is_last})
         for values in chunk.values():
@@ -251,7 +255,7 @@ def _send_packed(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, buf
         if used + size > buffer_size:
             flush(is_last=False)  # send() returns after the engine loaded the chunk, so the buffer is free again
             used = 0
-        buffer[used : used + size].copy_(as_bytes(tensor))
+        pending.append(as_bytes(tensor))
         used += size
         chunk["names"].append(name)
         chunk["dtype_names"].append(dtype_name(tensor.dtype))
