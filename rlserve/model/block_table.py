@@ -21,9 +21,8 @@ class _Row:
 
 
 class BlockTableBuffer:
-    def __init__(self, max_blocks_per_seq: int, initial_rows: int, pin_memory: bool) -> None:
+    def __init__(self, max_blocks_per_seq: int, initial_rows: int) -> None:
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.pin_memory = pin_memory
         self.table = torch.zeros((initial_rows, max_blocks_per_seq), dtype=torch.int32)
         self.rows: dict[str, _Row] = {}
         self.free_rows = list(range(initial_rows - 1, -1, -1))
@@ -50,7 +49,7 @@ class BlockTableBuffer:
             self.free_rows.append(entry.index)
 
     def gather(self, rows: list[int], num_blocks: int) -> torch.Tensor:
-        out = torch.empty((len(rows), num_blocks), dtype=torch.int32, pin_memory=self.pin_memory)
+        out = torch.empty((len(rows), num_blocks), dtype=torch.int32)
         torch.index_select(self.table[:, :num_blocks], 0, torch.tensor(rows), out=out)
         return out
 

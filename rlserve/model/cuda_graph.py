@@ -42,6 +42,9 @@ class DecodeCUDAGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
+        # torch.cuda.graph's default capture stream is created once per process, on whichever device was current
+        # then: an engine on another GPU needs a stream of its own device.
+        capture_stream = torch.cuda.Stream(device)
         with torch.inference_mode():
             for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
                 meta = AttentionMetadata(
@@ -55,7 +58,7 @@ class DecodeCUDAGraphs:
                 ctx = ForwardContext(meta, kv_caches, backend)
                 model(self.input_ids[:bs], self.positions[:bs], ctx)  # compile kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                     hidden = model(self.input_ids[:bs], self.positions[:bs], ctx)
                 self.graphs[bs] = (graph, hidden)
         torch.cuda.synchronize(device)

@@ -14,6 +14,7 @@ from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.block_table import BlockTableBuffer
 from rlserve.model.cuda_graph import DecodeCUDAGraphs
+from rlserve.model.host_staging import HostStaging
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
@@ -49,10 +50,6 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU, where work is synchronous
 
 
-def _copy_to_host(t: LogprobsTensors) -> LogprobsTensors:
-    return LogprobsTensors(*(getattr(t, f.name).to("cpu", non_blocking=True) for f in fields(t)))
-
-
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
     return list(
         zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist(), strict=True)
@@ -82,12 +79,13 @@ class ModelRunner:
         self.sampler = Sampler(config.logprobs_mode)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
-        self.pin_memory = self.device.type == "cuda"
+        # Pinned staging for each step's copies (CUDA only): 16 MiB per step covers batches of 16k tokens.
+        self.staging = HostStaging(16 << 20, self.device) if self.device.type == "cuda" else None
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
         max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.block_table_buffer = BlockTableBuffer(max_blocks_per_seq, config.max_num_seqs, self.pin_memory)
+        self.block_table_buffer = BlockTableBuffer(max_blocks_per_seq, config.max_num_seqs)
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (
@@ -155,8 +153,16 @@ class ModelRunner:
 
     def _host_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A device tensor from host values; through pinned memory on CUDA so the copy does not block the host."""
-        t = torch.tensor(values, dtype=dtype, pin_memory=self.pin_memory)
-        return t.to(self.device, non_blocking=True)
+        return self._to_device(torch.tensor(values, dtype=dtype))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host if self.staging is None else self.staging.to_device(host)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.staging is None else self.staging.to_host(t)
+
+    def _copy_to_host(self, t: LogprobsTensors) -> LogprobsTensors:
+        return LogprobsTensors(*(self._to_host(getattr(t, f.name)) for f in fields(t)))
 
     def launch(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> LaunchedStep:
         """Enqueue one step's forward pass and sampling on the device and return without waiting for them.
@@ -191,6 +197,8 @@ class ModelRunner:
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _launch(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> LaunchedStep:
+        if self.staging is not None:
+            self.staging.next_step()
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -234,7 +242,7 @@ class ModelRunner:
                     prompt_rows.append((i, first_row, count))
                     prompt_targets.extend(request.all_token_ids[start + 1 : start + 1 + count])
         max_seq_len = max(seq_lens)
-        block_tables = self.block_table_buffer.gather(rows, -(-max_seq_len // bs)).to(self.device, non_blocking=True)
+        block_tables = self._to_device(self.block_table_buffer.gather(rows, -(-max_seq_len // bs)))
         ids = self._host_tensor(input_ids, torch.long)
         if placeholder_rows:
             sources = self._host_tensor(placeholder_sources, torch.long)
@@ -289,9 +297,9 @@ class ModelRunner:
             sample_index={scheduled[i].request.request_id: j for j, i in enumerate(sample_rows)},
             prompt_rows=prompt_rows,
             sampled_token_ids=sampled_token_ids,
-            host_token_ids=sampled_token_ids.to("cpu", non_blocking=True),
-            host_logprobs=None if logprobs is None else _copy_to_host(logprobs),
-            host_prompt_logprobs=None if prompt_logprobs is None else _copy_to_host(prompt_logprobs),
+            host_token_ids=self._to_host(sampled_token_ids),
+            host_logprobs=None if logprobs is None else self._copy_to_host(logprobs),
+            host_prompt_logprobs=None if prompt_logprobs is None else self._copy_to_host(prompt_logprobs),
         )
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()

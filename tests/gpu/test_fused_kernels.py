@@ -18,8 +18,9 @@ T, HIDDEN, HQ, HK, D, INTER = 1024, 1024, 16, 8, 128, 3072
 
 
 def _close_in_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
-    """At most one bf16 ulp apart everywhere, and nearly all bit-identical."""
-    assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    """Within a bf16 rounding of the operands (values are O(1); rotary's differences cancel), and nearly all
+    bit-identical."""
+    assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=2**-5)
     assert (got == want).float().mean() > 0.95
 
 
