@@ -217,6 +217,7 @@ def main() -> int:
         hits0 = llm.engine_core.kv_cache.prefix_hits, llm.engine_core.kv_cache.prefix_queries
         if args.profile and not rows:
             profile_host(llm, prompts, sps)
+            llm.reset_prefix_cache()  # the profiled run cached these very prompts
             log.steps.clear()
         dt, out_tokens = run_engine(llm, prompts, sps)
         roof = roofline_seconds(log, weight_bytes, params, kv_bytes_per_token, bw, flops)
