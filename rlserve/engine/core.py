@@ -159,6 +159,13 @@ class EngineCore:
         starts = [item.request.num_computed_tokens for item in scheduled]
         launched = self.runner.launch(scheduled, prev.launched if prev is not None else None)
         self.scheduler.advance(scheduled, launched.sample_rows)
+        # Share full blocks now, not when the step is read back: steps that could read them run after this one on
+        # the same stream, and a request admitted next step (a GRPO sibling) would otherwise miss them. Blocks
+        # holding a placeholder wait until it is resolved (their hash needs the token).
+        for item in scheduled:
+            request = item.request
+            resolved = request.num_tokens - request.num_placeholders
+            self.kv_cache.commit_full_blocks(request, min(request.num_computed_tokens, resolved))
         return _InFlightStep(launched, starts, self.weight_version)
 
     def _resolve(self, step: _InFlightStep) -> list[EngineCoreOutput]:

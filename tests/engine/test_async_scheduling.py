@@ -142,3 +142,22 @@ def test_final_only_requests_send_their_tokens_at_the_end(qwen3_dir, make_llm) -
         0 < len(abort.new_token_ids) == len(abort.new_logprobs)
         and abort.new_token_ids == (expected.token_ids[: len(abort.new_token_ids)])
     )
+
+
+def test_blocks_are_shared_from_the_step_that_computes_them(qwen3_dir, make_llm) -> None:
+    """A request admitted right after another's prompt was launched hits its full blocks, as without async
+    scheduling: they are registered when the step is launched, not when it is read back."""
+    prompt = list(range(3, 3 + 64))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    hits = {}
+    for mode in (False, True):
+        # The token budget fits one prompt per step: "second" is admitted in the step after "first"'s prefill,
+        # which with async scheduling is scheduled before that prefill is read back.
+        llm = make_llm(qwen3_dir, block_size=16, max_num_batched_tokens=64, async_scheduling=mode)
+        core = llm.engine_core
+        core.add_request("first", prompt, params)
+        core.add_request("second", prompt, params)
+        while core.has_work():
+            core.step()
+        hits[mode] = core.kv_cache.prefix_hits
+    assert hits[True] == hits[False] == 48  # three full blocks; the last token is always computed
