@@ -38,6 +38,10 @@ class KVCacheManager:
         self.epoch = 0
         self.request_epoch: dict[str, int] = {}
         self.num_committed: dict[str, int] = {}  # full blocks already registered, per request
+        # Full blocks an admitted request is computing now, by hash: another request needing the same block (the
+        # n samples of one GRPO prompt) waits a step and takes it from the cache instead of computing it again.
+        self.in_progress: dict[int, str] = {}  # block hash -> id of the request computing it
+        self.in_progress_by_request: dict[str, list[int]] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
 
@@ -74,8 +78,7 @@ class KVCacheManager:
 
         The last token is never served from cache: the model must compute at least one position to sample from.
         """
-        # Prompt logprobs need every prompt position computed, so such requests do not take cached blocks.
-        if not self.enable_prefix_caching or request.block_table or request.sampling_params.prompt_logprobs is not None:
+        if not self._uses_cache(request) or request.block_table:
             return 0
         self.request_epoch[request.request_id] = self.epoch
         bs = self.block_size
@@ -97,6 +100,36 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += hit * bs
         return hit * bs
+
+    def _uses_cache(self, request: Request) -> bool:
+        # Prompt logprobs need every prompt position computed, so such requests do not take cached blocks.
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def waits_for_another(self, request: Request) -> bool:
+        """Whether the first block of the request's prefix that is not cached yet is being computed by another
+        request: admitted a step later, it finds that block in the cache."""
+        if not self._uses_cache(request) or request.block_table:
+            return False
+        for block_hash in self._chain(request, (request.num_tokens - 1) // self.block_size):
+            if block_hash not in self.hash_to_block:
+                owner = self.in_progress.get(block_hash)
+                return owner is not None and owner != request.request_id
+        return False
+
+    def mark_in_progress(self, request: Request, num_cached_tokens: int) -> None:
+        """Record the full blocks an admitted request will compute, so that requests sharing them wait for them."""
+        if not self._uses_cache(request):
+            return
+        hashes = self._chain(request, (request.num_tokens - 1) // self.block_size)
+        mine = self.in_progress_by_request.setdefault(request.request_id, [])
+        for block_hash in hashes[num_cached_tokens // self.block_size :]:
+            if block_hash not in self.hash_to_block and block_hash not in self.in_progress:
+                self.in_progress[block_hash] = request.request_id
+                mine.append(block_hash)
+
+    def _done_in_progress(self, request_id: str, block_hash: int) -> None:
+        if self.in_progress.get(block_hash) == request_id:
+            del self.in_progress[block_hash]
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make the request's block table cover num_computed_tokens + num_new_tokens; False if blocks run out."""
@@ -130,6 +163,7 @@ class KVCacheManager:
             block.block_hash = hashes[i]
             block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
             self.hash_to_block.setdefault(hashes[i], block.block_id)
+            self._done_in_progress(request.request_id, hashes[i])
 
     def free(self, request: Request) -> None:
         # Release tail blocks first so that, under eviction, a prefix outlives its continuation.
@@ -142,10 +176,14 @@ class KVCacheManager:
         self.block_hashes.pop(request.request_id, None)
         self.request_epoch.pop(request.request_id, None)
         self.num_committed.pop(request.request_id, None)
+        for block_hash in self.in_progress_by_request.pop(request.request_id, []):
+            self._done_in_progress(request.request_id, block_hash)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix. Blocks in use stay with their requests but will not be shared again."""
         self.hash_to_block.clear()
+        self.in_progress.clear()
+        self.in_progress_by_request.clear()
         for block in self.blocks:
             block.block_hash = block.token_ids = None
         self.epoch += 1

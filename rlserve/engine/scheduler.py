@@ -89,11 +89,15 @@ class Scheduler:
         return scheduled
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        deferred: list[Request] = []  # their prefix is being computed by another request; they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             # While pausing for new work (PAUSED_NEW), only requests that already started may come back.
             if self.pause_state is PauseState.PAUSED_NEW and not request.num_preemptions:
                 break
+            if self.kv_cache.waits_for_another(request):
+                deferred.append(self.waiting.popleft())
+                continue
             num_cached = self.kv_cache.match_prefix(request)
             request.num_computed_tokens = num_cached
             num_new = request.num_tokens - num_cached
@@ -109,11 +113,13 @@ class Scheduler:
                 break
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+            self.kv_cache.mark_in_progress(request, num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
 
     def preempt(self, request: Request) -> None:
         """Free the request's KV and queue it first in line; it recomputes its tokens when readmitted."""

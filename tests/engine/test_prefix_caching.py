@@ -130,3 +130,20 @@ def test_tight_cache_evicts_and_still_matches_hf(qwen3_dir, make_llm, generate, 
             hits += out.num_cached_tokens
             assert out.outputs[0].token_ids == hf.greedy(qwen3_dir, out.prompt_token_ids, 12)
     assert hits > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_samples_of_one_prompt_compute_it_once(qwen3_dir, make_llm, generate, tracked, async_scheduling) -> None:
+    """GRPO's n samples of a prompt arrive together: one computes the prompt, the others wait a step and take its
+    blocks from the cache (all full blocks but the one holding the last token), with unchanged outputs."""
+    prompt = {"prompt_token_ids": list(range(3, 3 + 64))}
+    params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logprobs=0)
+    reference = generate(make_llm(qwen3_dir, enable_prefix_caching=False), [prompt], params)[0]
+
+    llm = make_llm(qwen3_dir, async_scheduling=async_scheduling)
+    requests = tracked(llm)
+    out = generate(llm, [prompt], params)[0]
+
+    assert sorted(r.num_cached_tokens for r in requests) == [0] + [48] * 7
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference.outputs]
+    assert out.num_cached_tokens == 48
