@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -206,6 +206,8 @@ class EngineServer:
 class SyncTiming:
     sync_ms: float  # start_weight_update -> finish_weight_update returned: the transfer itself
     pause_ms: float  # pause called -> resume returned: how long generation stood still
+    # Each call of the sequence (pause, start, transfer, finish, resume), for the JSON log: where a slow sync goes.
+    phases_ms: dict[str, float]
 
 
 class WeightSync:
@@ -233,21 +235,25 @@ class WeightSync:
         )
 
     async def push(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> SyncTiming:
-        t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        async def timed(name: str, call: Awaitable[Any]) -> None:
+            t = time.perf_counter()
+            await call
+            phases[name] = (time.perf_counter() - t) * 1e3
+
         # keep: in-flight requests freeze and continue under the new weights. clear_cache: their KV is recomputed
         # under the new weights, so every token's logprob is exactly what the trainer computes for its version
         # (PipelineRL keeps the stale KV instead: a small, unmeasured mismatch in exchange for no recompute).
-        await self.control.pause(mode="keep", clear_cache=True)
+        await timed("pause", self.control.pause(mode="keep", clear_cache=True))
         try:
-            t1 = time.perf_counter()
-            await self.control.start_weight_update()
-            await self._transfer(weights)
-            await self.control.finish_weight_update(weight_version=str(version))
-            t2 = time.perf_counter()
+            await timed("start", self.control.start_weight_update())
+            await timed("transfer", self._transfer(weights))
+            await timed("finish", self.control.finish_weight_update(weight_version=str(version)))
         finally:
-            await self.control.resume()
-        t3 = time.perf_counter()
-        return SyncTiming(sync_ms=(t2 - t1) * 1e3, pause_ms=(t3 - t0) * 1e3)
+            await timed("resume", self.control.resume())
+        sync_ms = phases["start"] + phases["transfer"] + phases["finish"]
+        return SyncTiming(sync_ms=sync_ms, pause_ms=sync_ms + phases["pause"] + phases["resume"], phases_ms=phases)
 
     async def _transfer(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.engine.backend == "ipc":
@@ -474,6 +480,7 @@ class StepRecord:
     lag_max: int
     sync_ms: float
     pause_ms: float
+    sync_phases_ms: dict[str, float]
     mismatch_kl: float
     ratio_mean: float
     ratio_min: float
@@ -664,6 +671,7 @@ def _record(
         lag_max=stats.lag_max,
         sync_ms=timing.sync_ms,
         pause_ms=timing.pause_ms,
+        sync_phases_ms=timing.phases_ms,
         mismatch_kl=stats.train.mismatch_kl,
         ratio_mean=loss.ratio_mean,
         ratio_min=loss.ratio_min,

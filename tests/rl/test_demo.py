@@ -35,7 +35,8 @@ def test_reward_is_exact_with_partial_credit() -> None:
 def _record(step: int, reward: float, groups: int = 32) -> StepRecord:
     return StepRecord(
         step=step, reward=reward, weight_version=step, lag_mean=1.0, lag_max=1, sync_ms=1.0, pause_ms=2.0,
-        mismatch_kl=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, clip_fraction=0.0, loss=0.0, grad_norm=0.0,
+        sync_phases_ms={}, mismatch_kl=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0, clip_fraction=0.0, loss=0.0,
+        grad_norm=0.0,
         num_groups=groups, num_samples=groups * 8, num_dropped=0, wait_ms=0.0, train_ms=0.0,
     )  # fmt: skip
 
