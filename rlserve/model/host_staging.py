@@ -17,9 +17,10 @@ _ALIGN = 64  # bytes: every slice starts aligned for any dtype
 
 
 class HostStaging:
-    def __init__(self, nbytes_per_step: int, device: torch.device) -> None:
+    def __init__(self, nbytes_per_step: int, device: torch.device, pin_memory: bool = True) -> None:
         self.device = device
-        self.halves = [torch.empty(nbytes_per_step, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.pin_memory = pin_memory  # off only where there is no accelerator (the allocator's own tests)
+        self.halves = [torch.empty(nbytes_per_step, dtype=torch.uint8, pin_memory=pin_memory) for _ in range(2)]
         self.current = 0
         self.offset = 0
 
@@ -35,7 +36,7 @@ class HostStaging:
         start = -(-self.offset // _ALIGN) * _ALIGN
         buffer = self.halves[self.current]
         if start + nbytes > buffer.numel():  # unusually large step (many prompt logprobs): correct, just slower
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         self.offset = start + nbytes
         return buffer[start : start + nbytes].view(dtype).view(shape)
 
