@@ -97,6 +97,8 @@ class Scheduler:
                 break
             if self.kv_cache.waits_for_another(request):
                 deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.config.max_num_seqs:
+                    break  # bounds the scan of a long queue of one prompt's samples to what a step could admit
                 continue
             num_cached = self.kv_cache.match_prefix(request)
             request.num_computed_tokens = num_cached

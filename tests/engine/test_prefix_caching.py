@@ -132,15 +132,19 @@ def test_tight_cache_evicts_and_still_matches_hf(qwen3_dir, make_llm, generate, 
     assert hits > 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_samples_of_one_prompt_compute_it_once(qwen3_dir, make_llm, generate, tracked, async_scheduling) -> None:
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"async_scheduling": False}, {}, {"max_num_seqs": 2}],
+    ids=["sync", "async", "max-num-seqs-2"],
+)
+def test_samples_of_one_prompt_compute_it_once(qwen3_dir, make_llm, generate, tracked, kwargs) -> None:
     """GRPO's n samples of a prompt arrive together: one computes the prompt, the others wait a step and take its
     blocks from the cache (all full blocks but the one holding the last token), with unchanged outputs."""
     prompt = {"prompt_token_ids": list(range(3, 3 + 64))}
     params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logprobs=0)
     reference = generate(make_llm(qwen3_dir, enable_prefix_caching=False), [prompt], params)[0]
 
-    llm = make_llm(qwen3_dir, async_scheduling=async_scheduling)
+    llm = make_llm(qwen3_dir, **kwargs)
     requests = tracked(llm)
     out = generate(llm, [prompt], params)[0]
 
