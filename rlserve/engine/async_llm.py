@@ -200,6 +200,18 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return self.engine_core.is_paused()
 
+    # ---- sleep / wake ----
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free device memory for a colocated trainer (see EngineCore.sleep); requests wait until wake_up."""
+        await self._call(lambda core: core.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda core: core.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
     # ---- weights ----
 
     async def init_weight_transfer_engine(self, request) -> None:

@@ -22,6 +22,8 @@ from rlserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_LEVELS = (0, 1, 2)
+WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 
 
 @dataclass(slots=True)
@@ -73,6 +75,8 @@ class EngineCore:
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weight_transfer = None  # created by init_weight_transfer_engine
         self.weight_update_active = False
+        self.asleep = False
+        self._pause_before_sleep = PauseState.UNPAUSED
         self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
         self._pending_outputs: list[EngineCoreOutput] = []  # read back by _drain, returned by the next step
         self.num_generated_tokens = 0  # counters for metrics
@@ -252,14 +256,17 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if mode == "abort":
             outputs = self.abort_requests(list(self.requests))
-            self.scheduler.pause_state = PauseState.PAUSED_NEW
-        elif mode == "wait":
-            self.scheduler.pause_state = PauseState.PAUSED_NEW
-        else:
-            self.scheduler.pause_state = PauseState.PAUSED_ALL
+        self._set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
         if clear_cache and mode != "wait":
             self.clear_cache()
         return outputs
+
+    def _set_pause_state(self, state: PauseState) -> None:
+        # Asleep, nothing may be scheduled: the state takes effect at wake_up.
+        if self.asleep:
+            self._pause_before_sleep = state
+        else:
+            self.scheduler.pause_state = state
 
     @property
     def num_in_flight(self) -> int:
@@ -272,13 +279,55 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def resume(self) -> None:
-        self.scheduler.pause_state = PauseState.UNPAUSED
+        self._set_pause_state(PauseState.UNPAUSED)
 
     def is_paused(self) -> bool:
-        return self.scheduler.pause_state is not PauseState.UNPAUSED
+        state = self._pause_before_sleep if self.asleep else self.scheduler.pause_state
+        return state is not PauseState.UNPAUSED
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
+
+    # ---- sleep / wake (vLLM's names): a colocated trainer takes the device memory between rollouts ----
+
+    def sleep(self, level: int = 1) -> None:
+        """Stop scheduling and free device memory. Level 0 keeps both; level 1 drops the KV cache and moves the
+        weights to host memory; level 2 drops both (the next weight update must write every weight). Requests in
+        flight keep their tokens and recompute their KV after wake_up."""
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"level: sleep level must be one of {list(SLEEP_LEVELS)}, got {level!r}")
+        if self.weight_update_active:
+            raise RuntimeError("sleep: a weight update is in progress; finish it first")
+        self._drain()
+        if not self.asleep:
+            self._pause_before_sleep = self.scheduler.pause_state
+            self.asleep = True
+        self.scheduler.pause_state = PauseState.PAUSED_ALL
+        if level >= 1:
+            self.clear_cache()  # running requests give their blocks back; they recompute after wake_up
+            self.runner.release_kv_cache()
+            self.runner.release_weights(keep_host_copy=level == 1)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what sleep released: `tags` any of "weights", "kv_cache", "scheduling" (default: all).
+        Scheduling resumes only once weights and KV cache are both back."""
+        tags = list(WAKE_UP_TAGS) if tags is None else list(tags)
+        unknown = [t for t in tags if t not in WAKE_UP_TAGS]
+        if unknown:
+            raise ValueError(f"tags: unknown wake_up tags {unknown}; expected a subset of {list(WAKE_UP_TAGS)}")
+        if not self.asleep:
+            return
+        self.runner.restore(weights="weights" in tags, kv_cache="kv_cache" in tags)
+        if "scheduling" in tags and self.runner.weights_resident and self.runner.kv_cache_resident:
+            self.scheduler.pause_state = self._pause_before_sleep
+            self.asleep = False
+
+    def is_sleeping(self) -> bool:
+        return self.asleep
+
+    def _require_weights(self, operation: str) -> None:
+        if not self.runner.weights_resident:
+            raise RuntimeError(f"{operation}: the engine is asleep; call wake_up(tags=['weights']) first")
 
     # ---- weight updates ----
 
@@ -305,6 +354,7 @@ class EngineCore:
     def start_weight_update(self) -> None:
         self._drain()
         self._require_transfer_engine("start_weight_update")
+        self._require_weights("start_weight_update")
         if self.weight_update_active:
             raise RuntimeError("start_weight_update: a weight update is already in progress; finish it first")
         self.weight_update_active = True
@@ -341,12 +391,14 @@ class EngineCore:
     def load_weights_direct(self, weights) -> int:
         """Write checkpoint-format tensors straight into the model (the trainer shares this process)."""
         self._drain()
+        self._require_weights("load_weights")
         written = self.runner.load_weights(weights)
         self.kv_cache.reset_prefix_cache()
         return written
 
     def checksums(self) -> dict[str, str]:
         self._drain()
+        self._require_weights("weight checksums")
         from rlserve.weight_transfer.checksum import weight_checksums
 
         return weight_checksums(self.runner.model.checkpoint_weights())

@@ -65,6 +65,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        if self.engine_core.is_sleeping():
+            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -106,6 +108,20 @@ class LLM:
                     bar.update(1)
                 bar.set_postfix(tokens=self.engine_core.num_generated_tokens, refresh=False)
         return results
+
+    # ---- sleep / wake, vLLM's names ----
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory for a colocated trainer: level 1 moves the weights to host memory and drops the KV
+        cache, level 2 drops both (update every weight after waking), level 0 only stops scheduling."""
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back "weights", "kv_cache" and "scheduling" (default: all)."""
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
 
     # ---- weights, vLLM's names ----
 

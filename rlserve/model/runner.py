@@ -84,8 +84,17 @@ class ModelRunner:
         self.max_model_len = min(
             config.max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings
         )
-        max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.block_table_buffer = BlockTableBuffer(max_blocks_per_seq, config.max_num_seqs)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.block_table_buffer = BlockTableBuffer(self.max_blocks_per_seq, config.max_num_seqs)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graphs: DecodeCUDAGraphs | None = None
+        # Set while asleep: the weights' host copies (sleep level 1) or just their shapes (level 2).
+        self._slept_weights: dict[str, torch.Tensor] | None = None
+        self._allocate_kv_cache()
+        self._capture_graphs()
+        self._warm_up()
+
+    def _allocate_kv_cache(self) -> None:
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (
@@ -94,18 +103,18 @@ class ModelRunner:
             )
             for _ in range(self.spec.num_layers)
         ]
-        self.cuda_graphs: DecodeCUDAGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+
+    def _capture_graphs(self) -> None:
+        if self.device.type == "cuda" and not self.config.enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(
                 self.model,
                 self.kv_caches,
                 self.backend,
-                config.max_num_seqs,
-                max_blocks_per_seq,
+                self.config.max_num_seqs,
+                self.max_blocks_per_seq,
                 self.max_model_len,
                 self.device,
             )
-        self._warm_up()
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -381,6 +390,60 @@ class ModelRunner:
             all_greedy=all(greedy),
             all_random=not any(greedy),
         )
+
+    # ---- sleep: give the device memory back (a colocated trainer needs it), and take it again ----
+
+    @property
+    def weights_resident(self) -> bool:
+        return self._slept_weights is None
+
+    @property
+    def kv_cache_resident(self) -> bool:
+        return bool(self.kv_caches)
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache and the CUDA graphs that read it (they record its addresses)."""
+        self.cuda_graphs = None
+        self.kv_caches = []
+        self._empty_device_cache()
+
+    def release_weights(self, keep_host_copy: bool) -> None:
+        """Drop the weights from the device, keeping a host copy (to restore) or only their shapes (to be
+        overwritten by a weight update). The parameter objects stay, so loaders and caches keyed by them still work."""
+        if not self.weights_resident:
+            return
+        self.cuda_graphs = None
+        slept = {}
+        for name, param in self.model.named_parameters():  # tied weights appear once
+            slept[name] = (
+                param.data.to("cpu") if keep_host_copy else torch.empty(param.shape, dtype=param.dtype, device="meta")
+            )
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self._slept_weights = slept
+        self.model.drop_derived_weights()
+        self._empty_device_cache()
+
+    def restore(self, weights: bool, kv_cache: bool) -> None:
+        """Bring back what was released; weights released without a host copy come back uninitialised."""
+        with self.on_device():
+            if weights and not self.weights_resident:
+                params = dict(self.model.named_parameters())
+                for name, host in self._slept_weights.items():
+                    if host.is_meta:
+                        params[name].data = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                    else:
+                        params[name].data = host.to(self.device)
+                self._slept_weights = None
+            if kv_cache and not self.kv_cache_resident:
+                self._allocate_kv_cache()
+            if self.weights_resident and self.kv_cache_resident and self.cuda_graphs is None:
+                self._capture_graphs()
+
+    def _empty_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            with self.on_device():
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()  # back to the driver, where another process can have it
 
     # ---- weights ----
 

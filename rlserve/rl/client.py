@@ -101,6 +101,16 @@ class _Routes:
 
     reset_prefix_cache = _Call("POST", "/reset_prefix_cache")
 
+    @staticmethod
+    def sleep(level: int) -> _Call:
+        return _Call("POST", "/sleep", params={"level": level})
+
+    @staticmethod
+    def wake_up(tags: list[str] | None) -> _Call:
+        return _Call("POST", "/wake_up", params={} if tags is None else {"tags": tags})
+
+    is_sleeping = _Call("GET", "/is_sleeping", key="is_sleeping")
+
 
 def _result(call: _Call, response: httpx.Response) -> Any:
     try:
@@ -190,6 +200,17 @@ class RLServeClient:
     def reset_prefix_cache(self) -> None:
         self._send(_Routes.reset_prefix_cache)
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's device memory (level 1: weights to host memory, KV dropped; 2: both dropped)."""
+        self._send(_Routes.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back "weights", "kv_cache", "scheduling" (default: all)."""
+        self._send(_Routes.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return self._send(_Routes.is_sleeping)
+
 
 class AsyncRLServeClient:
     """The same calls as RLServeClient, awaitable (httpx.AsyncClient). init_weight_transfer_engine and
@@ -258,6 +279,15 @@ class AsyncRLServeClient:
 
     async def abort_requests(self, request_ids: list[str] | None = None) -> int:
         return await self._send(_Routes.abort_requests(request_ids))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._send(_Routes.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._send(_Routes.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self._send(_Routes.is_sleeping)
 
     async def reset_prefix_cache(self) -> None:
         await self._send(_Routes.reset_prefix_cache)

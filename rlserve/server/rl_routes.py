@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.core import PAUSE_MODES
@@ -84,6 +84,20 @@ def build_rl_router(
     @router.get("/is_paused")
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": await engine.is_paused()}
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1) -> dict[str, str]:
+        await _engine_call(engine.sleep(level), "query.level")
+        return {"status": "sleeping"}
+
+    @router.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, str]:
+        await _engine_call(engine.wake_up(tags), "query.tags")
+        return {"status": "sleeping" if await engine.is_sleeping() else "awake"}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await engine.is_sleeping()}
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> dict[str, str]:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_helpers import API_KEY, BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, Server, Stream, read_stream
 
-from rlserve.rl.client import AsyncRLServeClient, RLServeClient
+from rlserve.rl.client import AsyncRLServeClient, RLServeClient, RLServeError
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 READER_YIELD_S = 0.1
@@ -157,3 +157,27 @@ def test_clear_cache_drops_prefix_hits_and_false_keeps_them(server: Server, rl: 
     rl.resume()
     cached, again = run()
     assert cached > 0 and again == tokens
+
+
+def test_sleep_and_wake_over_http(server: Server, rl: RLServeClient) -> None:
+    """/sleep frees the engine's memory and holds requests; /wake_up brings both back; bad levels and tags are 400s."""
+    with server.client() as http:
+        body = {"model": MODEL_NAME, "prompt": "sleep and wake", "max_tokens": 6, **GREEDY}
+        before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        for bad, field in ((lambda: rl.sleep(level=5), "query.level"), (lambda: rl.wake_up(["nap"]), "query.tags")):
+            with pytest.raises(RLServeError) as err:
+                bad()
+            assert err.value.status_code == 400 and err.value.param == field
+        assert not rl.is_sleeping()
+        rl.sleep(level=1)
+        try:
+            assert rl.is_sleeping()
+            with pytest.raises(httpx.ReadTimeout):  # held, not refused, while asleep
+                http.post("/v1/completions", json=body, timeout=1.0)
+            rl.wake_up(["weights"])
+            assert rl.is_sleeping()
+        finally:
+            rl.wake_up()
+        assert not rl.is_sleeping()
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
+    assert httpx.post(f"{server.url}/sleep").status_code == 401  # the API key is required

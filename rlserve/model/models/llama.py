@@ -177,6 +177,10 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    def drop_derived_weights(self) -> None:
+        """Forget copies derived from the weights (the fp32 LM head): they are rebuilt from the weights when used."""
+        self._lm_head_fp32 = None
+
     def compute_logits(self, hidden: torch.Tensor, fp32_head: bool = False) -> torch.Tensor:
         if not fp32_head:
             return self.lm_head(hidden)

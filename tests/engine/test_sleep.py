@@ -1,0 +1,107 @@
+"""Sleep and wake (vLLM's names): the engine gives its memory back between rollouts and takes it again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rlserve import SamplingParams
+from rlserve.engine.async_llm import AsyncLLM
+from rlserve.toy import make_model_dir
+
+PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 33, 20)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _device_bytes(llm) -> int:
+    runner = llm.engine_core.runner
+    weights = sum(p.data.nbytes for p in runner.model.parameters())
+    return weights + sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_sleep_and_wake_keep_the_outputs(qwen3_dir, make_llm, generate, level) -> None:
+    llm = make_llm(qwen3_dir)
+    before = _tokens(generate(llm, PROMPTS, GREEDY))
+    checksums = llm.weight_checksums()
+    held = _device_bytes(llm)
+
+    llm.sleep(level=level)
+    assert llm.is_sleeping()
+    assert _device_bytes(llm) == (held if level == 0 else 0)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.wake_up()
+
+    assert not llm.is_sleeping() and _device_bytes(llm) == held
+    assert llm.weight_checksums() == checksums
+    assert _tokens(generate(llm, PROMPTS, GREEDY)) == before
+
+
+def test_level_2_needs_new_weights_and_then_equals_a_fresh_engine(qwen3_dir, qwen3_alt_dir, make_llm, generate) -> None:
+    """vLLM's colocated flow: sleep(2) -> wake_up(weights) -> update -> wake_up(kv_cache, scheduling)."""
+    from safetensors.torch import load_file
+
+    llm = make_llm(qwen3_dir)
+    generate(llm, PROMPTS, GREEDY)
+    llm.sleep(level=2)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.load_weights(load_file(str(qwen3_alt_dir / "model.safetensors")).items())
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping()  # the KV cache is still released
+    llm.load_weights(load_file(str(qwen3_alt_dir / "model.safetensors")).items())
+    llm.wake_up(tags=["kv_cache"])
+    assert llm.is_sleeping()  # scheduling was not asked for
+    llm.wake_up(tags=["scheduling"])
+    assert not llm.is_sleeping()
+    assert _tokens(generate(llm, PROMPTS, GREEDY)) == _tokens(generate(make_llm(qwen3_alt_dir), PROMPTS, GREEDY))
+
+
+def test_bad_sleep_arguments_are_refused(qwen3_dir, make_llm) -> None:
+    llm = make_llm(qwen3_dir)
+    with pytest.raises(ValueError, match="level"):
+        llm.sleep(level=3)
+    with pytest.raises(ValueError, match="tags"):
+        llm.wake_up(tags=["weights", "everything"])
+    assert not llm.is_sleeping()
+
+
+def test_requests_in_flight_sleep_and_finish_after_wake_up(tmp_path) -> None:
+    """AsyncLLM: requests caught by sleep(1) wait (their KV is dropped) and finish after wake_up with the tokens an
+    uninterrupted run gives; a pause/resume while asleep takes effect only at wake_up."""
+    torch.set_num_threads(1)
+    model_dir = make_model_dir(tmp_path / "m", "Qwen3ForCausalLM", seed=1, initializer_range=0.2)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def run(sleep_midway: bool) -> list[list[int]]:
+        engine = AsyncLLM(str(model_dir), num_kv_blocks=256)
+        try:
+
+            async def one(i: int) -> list[int]:
+                final = None
+                async for out in engine.generate(PROMPTS[i], params):
+                    final = out
+                return final.outputs[0].token_ids
+
+            tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
+            if sleep_midway:
+                while engine.engine_core.num_generated_tokens < 20:
+                    await asyncio.sleep(0.001)
+                await engine.sleep(level=1)
+                produced = engine.engine_core.num_generated_tokens
+                await engine.resume_generation()  # asleep: recorded, not applied
+                await asyncio.sleep(0.05)
+                assert await engine.is_sleeping() and engine.engine_core.num_generated_tokens == produced
+                assert not any(t.done() for t in tasks)
+                await engine.wake_up()
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
