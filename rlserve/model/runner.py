@@ -415,9 +415,11 @@ class ModelRunner:
         self.cuda_graphs = None
         slept = {}
         for name, param in self.model.named_parameters():  # tied weights appear once
-            slept[name] = (
-                param.data.to("cpu") if keep_host_copy else torch.empty(param.shape, dtype=param.dtype, device="meta")
-            )
+            if keep_host_copy:  # pinned on CUDA, so that waking up copies at full speed
+                slept[name] = torch.empty(param.shape, dtype=param.dtype, pin_memory=self.device.type == "cuda")
+                slept[name].copy_(param.data)
+            else:
+                slept[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self._slept_weights = slept
         self.model.drop_derived_weights()
