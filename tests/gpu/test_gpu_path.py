@@ -76,3 +76,18 @@ def test_graphs_stay_valid_after_in_place_weight_update(model_dir):
     eager.load_weights(scaled)
     assert [c.token_ids for c in after] == [c.token_ids for c in _greedy(eager)]
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
+
+
+def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(model_dir):
+    llm = LLM(model_dir, dtype="bfloat16", device="cuda", num_kv_blocks=4096)
+    before = _greedy(llm)
+    runner = llm.engine_core.runner
+    held = sum(p.nbytes for p in runner.model.parameters()) + sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    torch.cuda.synchronize()
+    awake = torch.cuda.memory_reserved()
+    llm.sleep(level=1)
+    asleep = torch.cuda.memory_reserved()
+    assert awake - asleep >= held, (awake, asleep, held)  # given back to the driver, graphs' pool aside
+    llm.wake_up()
+    assert runner.cuda_graphs is not None  # recaptured over the new KV cache and weights
+    assert [c.token_ids for c in _greedy(llm)] == [c.token_ids for c in before]
