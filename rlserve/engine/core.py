@@ -206,16 +206,8 @@ class EngineCore:
         (an output object per request per step is most of the host's work at large batches). Held tokens go out
         with the finishing output, or first on their own when the weight version changes (one version per output)."""
         if request.held_token_ids and request.held_weight_version != weight_version:
-            outputs.append(
-                EngineCoreOutput(
-                    request.request_id,
-                    request.held_token_ids,
-                    request.held_logprobs,
-                    None,
-                    request.held_weight_version,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                )
-            )
+            held = request.held_token_ids, request.held_logprobs
+            outputs.append(self._output(request, *held, None, request.held_weight_version, last=False))
             request.held_token_ids, request.held_logprobs = [], []
         if request.holds_outputs and not request.status.finished and not prompt_logprobs:
             request.held_token_ids += new_tokens
@@ -234,8 +226,11 @@ class EngineCore:
             step, self._in_flight = self._in_flight, None
             self._pending_outputs += self._resolve(step)
 
-    def _output(self, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str) -> EngineCoreOutput:
-        finished = request.status.finished
+    def _output(
+        self, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str, last: bool = True
+    ) -> EngineCoreOutput:
+        """`last=False`: not the request's last output this step, so it carries no finish reason."""
+        finished = last and request.status.finished
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_tokens,

@@ -126,16 +126,7 @@ class ModelRunner:
         for q in (2, 4, 8, 16, 32, 64):
             if q >= self.max_model_len:
                 break
-            meta = AttentionMetadata(
-                slot_mapping=torch.full((q,), -1, dtype=torch.long, device=dev),  # stores nothing
-                cu_seqlens_q=torch.tensor([0, q], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([q], dtype=torch.int32, device=dev),
-                block_tables=torch.zeros((1, -(-q // self.block_size)), dtype=torch.int32, device=dev),
-                max_seqlen_q=q,
-                max_seq_len=q,
-                query_lens_cpu=[q],
-                seq_lens_cpu=[q],
-            )
+            meta = self._dummy_sequence_meta(q, context_len=q)
             ids = torch.zeros(q, dtype=torch.long, device=dev)
             hidden = self.model(ids, torch.arange(q, device=dev), ForwardContext(meta, self.kv_caches, self.backend))
         if hidden is None:  # a model too short for any prefill
@@ -182,20 +173,28 @@ class ModelRunner:
             )
         return num_blocks
 
+    def _dummy_sequence_meta(self, num_tokens: int, context_len: int) -> AttentionMetadata:
+        """One sequence of num_tokens queries over context_len tokens of block 0, storing nothing (slot -1): for
+        forwards whose results are thrown away (the memory profile, the warm-up)."""
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([context_len], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((1, -(-context_len // self.block_size)), dtype=torch.int32, device=dev),
+            max_seqlen_q=num_tokens,
+            max_seq_len=context_len,
+            query_lens_cpu=[num_tokens],
+            seq_lens_cpu=[context_len],
+        )
+
     def _profile_run(self) -> None:
         """A forward at the largest token budget with a one-block cache, so its activation peak can be measured."""
         n = self.config.max_num_batched_tokens
         shape = (1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.spec.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([1], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
-            max_seqlen_q=n,
-            max_seq_len=1,
-        )
+        meta = self._dummy_sequence_meta(n, context_len=1)
         # Attention over a 1-token context is cheap; the peak comes from the projections and the MLP at n tokens.
         hidden = self.model(ids, ids, ForwardContext(meta, caches, _NoAttention()))
         self.model.compute_logits(hidden[: self.config.max_num_seqs], self.fp32_head)
