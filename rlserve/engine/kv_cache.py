@@ -9,27 +9,28 @@ until the block is reused.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from rlserve.engine.request import Request
 
 
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] | None = None  # stored to rule out hash collisions
-
-
 class KVCacheManager:
+    """Per-block state is kept in flat containers, not one object per block: a small model on a large GPU has
+    millions of blocks, and start-up, `reset_prefix_cache` (every weight update) and `free` must not walk them all.
+    Only blocks that hold cached content (a hash) cost more than a list slot."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks in eviction order (least recently freed first). Values are unused.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.ref_count = [0] * num_blocks
+        self.block_hash: dict[int, int] = {}  # block id -> hash of its full, committed content
+        self.block_token_ids: dict[int, tuple[int, ...]] = {}  # stored to rule out hash collisions
+        # Free blocks, taken in this order: freed blocks without cached content (a stack), blocks never used
+        # (ids from num_used_once up), then freed blocks with cached content, least recently freed first (taking one
+        # evicts its content). Values of the LRU are unused.
+        self.free_uncached: list[int] = []
+        self.num_used_once = 0
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[int, int] = {}
         # Per request: hashes of its full blocks, in order (the chain grows as the request computes tokens).
         self.block_hashes: dict[str, list[int]] = {}
@@ -47,7 +48,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_uncached) + (self.num_blocks - self.num_used_once) + len(self.free_cached)
 
     @property
     def usage(self) -> float:
@@ -63,15 +64,20 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
         return hashes
 
-    def _take_free_block(self) -> Block:
-        block_id, _ = self.free_blocks.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.block_hash is not None:  # reusing it evicts its cached content
-            if self.hash_to_block.get(block.block_hash) == block_id:
-                del self.hash_to_block[block.block_hash]
-            block.block_hash = block.token_ids = None
-        block.ref_count = 1
-        return block
+    def _take_free_block(self) -> int:
+        if self.free_uncached:
+            block_id = self.free_uncached.pop()
+        elif self.num_used_once < self.num_blocks:
+            block_id = self.num_used_once
+            self.num_used_once += 1
+        else:
+            block_id, _ = self.free_cached.popitem(last=False)
+            block_hash = self.block_hash.pop(block_id)  # reusing it evicts its cached content
+            del self.block_token_ids[block_id]
+            if self.hash_to_block.get(block_hash) == block_id:
+                del self.hash_to_block[block_hash]
+        self.ref_count[block_id] = 1
+        return block_id
 
     def match_prefix(self, request: Request) -> int:
         """Attach cached blocks holding a prefix of the request's tokens; return how many tokens they cover.
@@ -89,12 +95,11 @@ class KVCacheManager:
             block_id = self.hash_to_block.get(hashes[i])
             if block_id is None:
                 break
-            block = self.blocks[block_id]
-            if block.token_ids != tuple(request.all_token_ids[i * bs : (i + 1) * bs]):
+            if self.block_token_ids[block_id] != tuple(request.all_token_ids[i * bs : (i + 1) * bs]):
                 break
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]
-            block.ref_count += 1
+            if self.ref_count[block_id] == 0:
+                del self.free_cached[block_id]
+            self.ref_count[block_id] += 1
             request.block_table.append(block_id)
             hit += 1
         self.prefix_queries += request.num_tokens
@@ -141,7 +146,7 @@ class KVCacheManager:
         if not request.block_table:
             self.request_epoch[request.request_id] = self.epoch
         for _ in range(needed):
-            request.block_table.append(self._take_free_block().block_id)
+            request.block_table.append(self._take_free_block())
         return True
 
     def commit_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -157,21 +162,24 @@ class KVCacheManager:
         bs = self.block_size
         self.num_committed[request.request_id] = num_full
         for i in range(first, num_full):
-            block = self.blocks[request.block_table[i]]
-            if block.block_hash is not None:
+            block_id = request.block_table[i]
+            if block_id in self.block_hash:
                 continue
-            block.block_hash = hashes[i]
-            block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            self.hash_to_block.setdefault(hashes[i], block.block_id)
+            self.block_hash[block_id] = hashes[i]
+            self.block_token_ids[block_id] = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            self.hash_to_block.setdefault(hashes[i], block_id)
             self._done_in_progress(request.request_id, hashes[i])
 
     def free(self, request: Request) -> None:
         # Release tail blocks first so that, under eviction, a prefix outlives its continuation.
+        ref_count = self.ref_count
         for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
+            ref_count[block_id] -= 1
+            if ref_count[block_id] == 0:
+                if block_id in self.block_hash:
+                    self.free_cached[block_id] = None
+                else:
+                    self.free_uncached.append(block_id)
         request.block_table = []
         self.block_hashes.pop(request.request_id, None)
         self.request_epoch.pop(request.request_id, None)
@@ -184,8 +192,10 @@ class KVCacheManager:
         self.hash_to_block.clear()
         self.in_progress.clear()
         self.in_progress_by_request.clear()
-        for block in self.blocks:
-            block.block_hash = block.token_ids = None
+        self.block_hash.clear()
+        self.block_token_ids.clear()
+        self.free_uncached.extend(self.free_cached)
+        self.free_cached.clear()
         self.epoch += 1
 
     @property
