@@ -3,7 +3,9 @@
 GPU:  python3 benchmarks/async_updates.py --device cuda
 CPU:  OMP_NUM_THREADS=1 python benchmarks/async_updates.py --device cpu --preset small --scale 0.03
 
-The engine is an `AsyncLLM` serving all of W1's requests at once (streams consumed as they come). A controller
+The engine is an `AsyncLLM` serving all of W1's requests at once, each returning its samples whole when done (as a
+rollout collector takes them; `--stream` consumes cumulative outputs every step instead, which measures the
+per-step output path too). A controller
 watches the engine's step counter and, every `--every` steps, runs the native sequence with requests in flight:
 pause(mode="keep") -> start_weight_update -> update_weights (every weight of the model) -> finish_weight_update
 (version) -> resume. The trainer shares the engine's process (colocated, as with TRL's colocate mode): its tensors
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -31,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from throughput import workloads  # noqa: E402  (the benchmarks share W1's definition)
 
-from rlserve import WeightTransferConfig  # noqa: E402
+from rlserve import RequestOutputKind, WeightTransferConfig  # noqa: E402
 from rlserve.engine.async_llm import AsyncLLM  # noqa: E402
 from rlserve.toy import make_model_dir  # noqa: E402
 from rlserve.weight_transfer import (  # noqa: E402
@@ -147,6 +150,7 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=16, help="engine steps between updates")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--stream", action="store_true", help="consume cumulative outputs every step")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,6 +168,8 @@ def main() -> int:
     # The trainer's copy of the weights, on the engine's device: a full update every time.
     trainer_weights = [(name, t.clone()) for name, t in engine.engine_core.runner.model.checkpoint_weights()]
     prompts, params = workloads("W1", engine.engine_core.vocab_size, args.scale, seed=0)
+    kind = RequestOutputKind.CUMULATIVE if args.stream else RequestOutputKind.FINAL_ONLY
+    params = [dataclasses.replace(p, output_kind=kind) for p in params]
 
     async def all_runs() -> list[Run]:
         await engine.init_weight_transfer_engine(dict(init_info={}))
@@ -182,7 +188,7 @@ def main() -> int:
     base = runs[0].tok_s
     print(
         f"\nW5 async updates: preset={args.preset} device={args.device} prompts={len(prompts)} every={args.every} "
-        f"steps, full update of {len(trainer_weights)} tensors"
+        f"steps, full update of {len(trainer_weights)} tensors, outputs {kind.name.lower()}"
     )
     print(f"{'mode':<11} {'out tok/s':>10} {'vs W1':>6} {'updates':>8} {'pause call ms':>15} {'paused ms':>15}")
     for r in runs:

@@ -204,7 +204,9 @@ def _attend_kv_tile(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton compiles a variant per value class:
+# equal to 1, divisible by 16, other), or steps would compile kernels long after the start-up warm-up.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -406,7 +408,7 @@ def _prefill_config(max_seqlen_q: int, group: int, head_dim: int, elem_size: int
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # see _paged_attention_kernel
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
