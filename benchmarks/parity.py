@@ -10,8 +10,10 @@ trained model's; the script measures and prints how peaked. 64 prompts of 256 ra
 Hugging Face transformers in fp32, one forward per sequence. Modes (W6):
   bf16            the bf16 engine as configured by default (bf16 LM head)
   fp32 LM head    the bf16 engine with lm_head_dtype="float32"
-  deterministic   not available yet (no batch-invariant mode): printed as n/a
-`--scenarios` adds the other parity scenarios (raw_vs_processed, prefix_cache) for the same model and device.
+  deterministic   the bf16 engine in batch-invariant mode against rlserve's batch-invariant trainer-side forward in
+                  bf16 (`--scenarios` batch_invariant; its reference is that forward, not the HF trainer)
+`--scenarios` takes any of the parity scenarios (raw_vs_processed, prefix_cache, batch_invariant) for the same model
+and device.
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ from rlserve.rl.parity import (
     run_parity,
 )
 
-MODE_NAMES = {"lm_head/bf16": "bf16", "lm_head/fp16": "fp16", "lm_head/fp32": "fp32 LM head"}
+MODE_NAMES = {
+    "lm_head/bf16": "bf16",
+    "lm_head/fp16": "fp16",
+    "lm_head/fp32": "fp32 LM head",
+    "batch_invariant": "deterministic",
+}
 
 
 def _commit() -> str:
@@ -63,7 +70,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--scenarios", default="lm_head", help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    ap.add_argument(
+        "--scenarios", default="lm_head,batch_invariant", help=f"comma-separated subset of {','.join(SCENARIOS)}"
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -102,8 +111,6 @@ def main() -> int:
         trainer_dtype=args.trainer_dtype,
     )
     rows: dict[str, ParityStats | None] = {MODE_NAMES.get(name, name): s for name, s in results.items()}
-    if "lm_head" in scenarios:
-        rows["deterministic"] = None  # no batch-invariant mode yet
     print(format_table(rows), flush=True)
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
     if args.out:

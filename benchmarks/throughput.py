@@ -160,6 +160,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="the engine in batch-invariant mode")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true", help="cProfile the host side of the first workload")
@@ -200,6 +201,7 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         max_model_len=2048,
     )
     startup = time.perf_counter() - t0

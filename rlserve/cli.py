@@ -35,6 +35,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="read each step back before scheduling the next (no overlap of host and device work)",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="compute every request the same way whatever the batch: logprobs equal rlserve's trainer-side forward "
+        "(rlserve.rl.train_forward) bit for bit; slower",
+    )
+    parser.add_argument(
         "--weight-transfer-config",
         type=json.loads,
         default=None,
@@ -62,6 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         lm_head_dtype=args.lm_head_dtype,
         enforce_eager=args.enforce_eager,
         async_scheduling=not args.no_async_scheduling,
+        batch_invariant=args.batch_invariant,
         weight_transfer_config=WeightTransferConfig(**wt) if wt else None,
     )
 

@@ -39,6 +39,9 @@ class EngineConfig:
     # Schedule and launch step N+1 before reading back step N, so host work overlaps device work.
     async_scheduling: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # Every row computed the same way whatever the batch (rlserve.model.batch_invariant): a request's tokens and
+    # logprobs do not depend on what else runs, and equal rlserve's trainer-side forward bit for bit. Slower.
+    batch_invariant: bool = False
     weight_transfer_config: WeightTransferConfig | None = field(default=None)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlserve.model import batch_invariant
+
 # Triton is an optional dependency (the `gpu` extra); without it CUDA runs the PyTorch code below too.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -91,7 +93,19 @@ def norm_and_rotate_qk(
     return rotary(positions, q), rotary(positions, k)
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that switches to the batch-invariant matmul (rlserve.model.batch_invariant) when its model is put in
+    batch-invariant mode (DecoderForCausalLM.set_batch_invariant)."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant.linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+class FusedLinear(Linear):
     """A linear layer whose output rows are several checkpoint tensors stacked (q/k/v or gate/up).
 
     `shards` maps each checkpoint sub-name to its row range, so the loader can write each checkpoint tensor in place.

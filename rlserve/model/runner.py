@@ -75,8 +75,9 @@ class ModelRunner:
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
         self.fp32_head = config.lm_head_dtype == "float32"
-        self.backend = create_attention_backend(config.attention_backend, self.device)
-        self.sampler = Sampler(config.logprobs_mode)
+        self.backend = create_attention_backend(config.attention_backend, self.device, config.batch_invariant)
+        self.model.set_batch_invariant(config.batch_invariant)
+        self.sampler = Sampler(config.logprobs_mode, batch_invariant=config.batch_invariant)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         # Pinned staging for each step's copies (CUDA only): 16 MiB per step covers batches of 16k tokens.

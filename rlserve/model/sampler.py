@@ -62,6 +62,13 @@ def gather_logprobs(values: torch.Tensor, k: int, token_ids: torch.Tensor) -> Lo
     return LogprobsTensors(topk_ids, topk_values, token_values, token_ranks)
 
 
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] / temperature [N]. A tensor divisor keeps this a true division: CUDA turns division by a Python
+    scalar into multiplication by its reciprocal, which differs in the last bit, and a trainer reproducing the engine's
+    processed logprobs bit for bit (batch-invariant mode) must compute exactly this."""
+    return logits / temperature.unsqueeze(-1)
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(-1)
     threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(-1)
@@ -107,11 +114,13 @@ def fused_path_applies(meta: SamplingMetadata) -> bool:
 
 
 class Sampler:
-    def __init__(self, logprobs_mode: LogprobsMode) -> None:
+    def __init__(self, logprobs_mode: LogprobsMode, batch_invariant: bool = False) -> None:
         self.logprobs_mode = logprobs_mode
+        # Batch-invariant mode keeps the PyTorch passes: their logprobs are what the trainer-side forward computes.
+        self.use_fused = not batch_invariant
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if logits.is_cuda and fused_path_applies(meta) and _fused_sample() is not None:
+        if self.use_fused and logits.is_cuda and fused_path_applies(meta) and _fused_sample() is not None:
             return self._sample_fused(logits, meta)
         logits = logits.float()
         raw = logits
@@ -122,7 +131,7 @@ class Sampler:
         greedy_tokens = None if meta.all_random else logits.argmax(-1)
         processed = logits
         if not meta.all_greedy:
-            processed = logits / meta.temperature.unsqueeze(-1)
+            processed = apply_temperature(logits, meta.temperature)
             if meta.min_p is not None:
                 processed = apply_min_p(processed, meta.min_p)
             if meta.top_k is not None or meta.top_p is not None:

@@ -11,6 +11,8 @@ three known sources of mismatch:
 - prefix_cache: a weight update between two rounds of prompts that share a long prefix. rlserve resets the prefix
   cache on every update ("reset"); "off" runs without prefix caching; "stale" shows the bug the reset prevents by
   writing the new weights through the runner, which leaves KV computed under the old weights in the cache.
+- batch_invariant: the engine in batch-invariant mode against its reference, rlserve's batch-invariant trainer-side
+  forward in the engine's dtype (not `trainer`): zero difference, bit for bit.
 
 The trainer side always scores the processed distribution: the behaviour policy of the importance ratio is the
 distribution that was sampled from.
@@ -38,12 +40,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlserve.engine.llm import LLM, load_tokenizer
 from rlserve.model.loader import checkpoint_files, iterate_checkpoint
 from rlserve.model.models.llama import DecoderForCausalLM
-from rlserve.model.sampler import apply_top_k_top_p
+from rlserve.model.sampler import apply_temperature, apply_top_k_top_p
 from rlserve.rl.train_forward import forward_hidden, load_training_model
 from rlserve.sampling_params import SamplingParams
 from rlserve.toy import make_model_dir
 
-SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache")
+SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache", "batch_invariant")
 RATIO_BAND = (0.9, 1.1)
 # Random models give near-uniform next-token distributions, where every logprob is about -log(vocab) and mismatches
 # look smaller than on a trained model. Scaling the logits by these factors (powers of two) brings the mean entropy of
@@ -134,8 +136,8 @@ def _token_logprobs(
     logits = logits.float()  # the engine's sampler also works in fp32 on whatever the LM head produced
     if processed and temperature >= GREEDY_TEMPERATURE:
         # The engine's order: temperature, then top-k, then top-p (rlserve.model.sampler).
-        logits = logits / temperature
         n = logits.shape[0]
+        logits = apply_temperature(logits, torch.full((n,), temperature, device=logits.device))
         k = torch.full((n,), top_k, device=logits.device) if top_k > 0 else None
         p = torch.full((n,), top_p, device=logits.device) if top_p < 1.0 else None
         if k is not None or p is not None:
@@ -366,6 +368,7 @@ def run_parity(
       raw_vs_processed/raw, raw_vs_processed/processed      engine logprobs_mode raw_logprobs / processed_logprobs
       lm_head/<bf16|fp16>, lm_head/fp32                     engine LM head in the model dtype / in fp32
       prefix_cache/reset, prefix_cache/off, prefix_cache/stale
+      batch_invariant                                       engine batch_invariant=True vs rlserve's forward of it
     For prefix_cache the prompts get a shared prefix of `shared_prefix_len` random tokens, and the weight update adds
     noise of `update_scale` x RMS to every tensor (trainer and engine get the same new weights). `engine_kwargs` go to
     every `LLM` (e.g. attention_backend, enforce_eager).
@@ -392,11 +395,12 @@ def run_parity(
     engines = EngineSetup(model_dir, device, 2 * blocks, min(len(prompts), 256), max_len, engine_kwargs)
     reference = load_trainer(model_dir, trainer, _DTYPES[trainer_dtype], device)
 
-    def score(rollouts: Rollouts) -> ParityStats:
+    def score(rollouts: Rollouts, trainer_model: nn.Module | None = None) -> ParityStats:
         with torch.inference_mode():
             mine = trainer_logprobs(
-                reference, rollouts.prompt_ids, rollouts.completion_ids, temperature, top_k, top_p, processed=True
-            )
+                trainer_model or reference, rollouts.prompt_ids, rollouts.completion_ids, temperature, top_k, top_p,
+                processed=True,
+            )  # fmt: skip
         return compare_logprobs(rollouts.logprobs, mine)
 
     def sample_once(llm: LLM) -> Rollouts:
@@ -442,6 +446,10 @@ def run_parity(
         _write_trainer_weights(reference, new)
         for name in ("reset", "off", "stale"):
             results[f"prefix_cache/{name}"] = score(rounds[name])
+    if "batch_invariant" in scenarios:
+        rollouts = engines.run(sample_once, dtype=dtype, logprobs_mode="processed_logprobs", batch_invariant=True)
+        own = load_training_model(model_dir, _DTYPES[dtype], device, batch_invariant=True)
+        results["batch_invariant"] = score(rollouts, own)
     return results
 
 

@@ -4,6 +4,11 @@ The engine and this forward share every module (projections, norms, rotary, MLP,
 `ContiguousAttention` implements the engine's `AttentionBackend` protocol but ignores the cache arguments and attends
 causally within each packed sequence, so a difference between engine and trainer logprobs on the same weights can only
 come from the paged attention path, batching, or the sampler, never from a second model implementation.
+
+A model loaded with `batch_invariant=True` is the reference of the engine's batch-invariant mode: the sequences go
+through the engine's own batch-invariant attention backend over a paged cache built for them, and every projection
+through the same batch-invariant matmul, so its logprobs equal the engine's bit for bit. That forward has no backward
+(the GPU kernels are Triton's, without gradients): it runs without autograd and serves to score tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlserve.model.attention.base import AttentionMetadata
+from rlserve.model.attention.base import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
 
@@ -52,11 +57,16 @@ class ContiguousAttention:
 
 
 def load_training_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    batch_invariant: bool = False,
 ) -> DecoderForCausalLM:
-    """rlserve's model with the checkpoint's weights, parameters trainable (the engine's loader freezes them)."""
+    """rlserve's model with the checkpoint's weights, parameters trainable (the engine's loader freezes them);
+    batch_invariant: the reference forward of the engine's batch-invariant mode (no gradients, see above)."""
     model, _ = load_model(str(model_dir), dtype, torch.device(device))
-    return model.train().requires_grad_(True)
+    model.set_batch_invariant(batch_invariant)
+    return model.train().requires_grad_(not batch_invariant)
 
 
 def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -68,6 +78,10 @@ def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    if model.batch_invariant:
+        with torch.no_grad():
+            hidden = model(ids, positions, _paged_prefill_context(model, lengths, cu))
+        return list(hidden.split(lengths))
     meta = AttentionMetadata(
         slot_mapping=torch.full((len(ids),), -1, dtype=torch.long, device=device),
         cu_seqlens_q=cu,
@@ -83,3 +97,35 @@ def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]
     ctx = ForwardContext(meta, [(no_cache, no_cache)] * model.spec.num_layers, ContiguousAttention())
     hidden = model(ids, positions, ctx)
     return list(hidden.split(lengths))
+
+
+def _paged_prefill_context(model: DecoderForCausalLM, lengths: list[int], cu_seqlens_q: torch.Tensor) -> ForwardContext:
+    """Every sequence as one prefill through the engine's batch-invariant attention backend, over a paged cache
+    holding exactly these sequences (block size 16, blocks in order)."""
+    device = model.lm_head.weight.device
+    spec = model.spec
+    block_size = 16
+    num_blocks = [-(-n // block_size) for n in lengths]
+    first_block = [0, *torch.tensor(num_blocks).cumsum(0).tolist()]
+    block_tables = torch.zeros((len(lengths), max(num_blocks)), dtype=torch.int32)
+    for b, count in enumerate(num_blocks):
+        block_tables[b, :count] = torch.arange(first_block[b], first_block[b] + count)
+    # Sequence b's token j is stored at slot (first block of b) * block_size + j.
+    slots = torch.cat([torch.arange(n) + first_block[b] * block_size for b, n in enumerate(lengths)])
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        max_seqlen_q=max(lengths),
+        max_seq_len=max(lengths),
+        query_lens_cpu=lengths,
+        seq_lens_cpu=lengths,
+    )
+    shape = (first_block[-1], block_size, spec.num_kv_heads, spec.head_dim)
+    dtype = model.lm_head.weight.dtype
+    caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]
+    return ForwardContext(meta, caches, create_attention_backend("auto", device, batch_invariant=True))

@@ -140,6 +140,13 @@ def test_prefix_cache_across_a_weight_update(peaked_dir, prompts) -> None:
     assert stale.mean_abs_diff > 1e-2 and stale.k3_kl > 1e-4, stale
 
 
+def test_batch_invariant_engine_equals_its_trainer_forward_exactly(peaked_dir, prompts) -> None:
+    results = run_parity(peaked_dir, prompts, scenarios=["batch_invariant"], max_tokens=MAX_TOKENS, temperature=0.7)
+    stats = results["batch_invariant"]
+    assert stats.num_tokens == NUM_PROMPTS * MAX_TOKENS
+    assert stats.max_abs_diff == 0.0 and stats.k3_kl == 0.0, stats
+
+
 def test_cli_prints_the_table(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env["OMP_NUM_THREADS"] = "1"  # a fresh interpreter on a shared 2-core box: oversubscription costs several x
@@ -166,7 +173,9 @@ def test_cli_prints_the_table(tmp_path: Path) -> None:
         "prefix_cache/reset",
         "prefix_cache/off",
         "prefix_cache/stale",
+        "batch_invariant",
     }
     assert set(rows) == expected
+    assert float(rows["batch_invariant"][1]) == 0.0  # max|Δ|
     assert all(int(r[-1]) == 2 * 8 for r in rows.values())
     assert set(json.loads(out.read_text())["results"]) == expected

@@ -14,11 +14,12 @@ nothing reads device memory on the host, and scratch buffers come from torch's a
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from rlserve.model.triton_dot import dot, dot_precision, dot_upcast
 
 _LOG2E = 1.4426950408889634
 # Running row maxima start at a finite floor instead of -inf: a row whose keys are all masked then computes
@@ -28,8 +29,6 @@ _M_FLOOR = tl.constexpr(-1.0e30)
 _MAX_DECODE_SPLITS = 64
 # A split must cover at least this many keys, or the per-split overhead and the reduction outweigh the parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
-# Whether triton.jit made the kernels below CPU-interpreted functions (it reads the same variable at decoration).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -124,17 +123,6 @@ def store_kv_cache(
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    if DOT_UPCAST:
-        # Triton's CPU interpreter multiplies bf16 operands as their raw uint16 bits; fp32 operands holding the same
-        # bf16 values give the product the GPU computes.
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
 def _attend_kv_tile(
     acc,
     l_i,
@@ -186,7 +174,7 @@ def _attend_kv_tile(
     k = tl.load(k_head_ptr + kv_off, mask=mask, other=other)
     v = tl.load(v_head_ptr + kv_off, mask=mask, other=other)
 
-    s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST) * qk_scale
+    s = dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST) * qk_scale
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & kv_valid[None, :], s, float("-inf"))
     elif MASK_KV:
@@ -195,7 +183,7 @@ def _attend_kv_tile(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_new
 
 
@@ -316,6 +304,7 @@ def paged_attention(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's paged context; returns out [T, Hq, D] in q's dtype.
 
@@ -323,6 +312,10 @@ def paged_attention(
     after this step's keys were stored, so query i of sequence b sits at position seq_lens[b] - q_len_b + i.
     max_seqlen_q (a host int upper bound on q_len) only picks the tile shape. Serves prefill, chunked prefill,
     prefix-cache hits and decode; sequences with q_len 0 write nothing, rows with seq_len 0 get zeros.
+
+    batch_invariant: one tile shape whatever max_seqlen_q. A query's result then does not depend on the step: every
+    tile walks the keys from position 0 in the same BLOCK_N steps, each row's reductions are its own, and keys a row
+    may not see (tiles past its position, loaded because a later row of its tile sees them) add exact zeros.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -332,7 +325,8 @@ def paged_attention(
     out = _output_like(q, out)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _prefill_config(max_seqlen_q, group, head_dim, q.element_size())
+    tile_rows = _BATCH_INVARIANT_QUERY_ROWS if batch_invariant else max_seqlen_q
+    block_m, block_n, num_warps, num_stages = _prefill_config(tile_rows, group, head_dim, q.element_size())
     _launch_paged_attention(
         q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, out, block_m, block_n, num_warps, num_stages
     )
@@ -380,11 +374,14 @@ def _launch_paged_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        DOT_UPCAST=_dot_upcast(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+_BATCH_INVARIANT_QUERY_ROWS = 64  # the long-prompt tile shape, for every step in batch-invariant mode
 
 
 def _prefill_config(max_seqlen_q: int, group: int, head_dim: int, elem_size: int) -> tuple[int, int, int, int]:
@@ -604,8 +601,8 @@ def _launch_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        DOT_UPCAST=_dot_upcast(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_UPCAST=dot_upcast(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -655,15 +652,6 @@ def _num_sms(device: torch.device) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 caches are for exactness checks: keep tl.dot in full precision rather than tf32.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _dot_upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and _INTERPRETED
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

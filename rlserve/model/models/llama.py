@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlserve.model import batch_invariant
 from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
-from rlserve.model.layers import FusedLinear, RMSNorm, RotaryEmbedding, norm_and_rotate_qk, silu_and_mul
+from rlserve.model.layers import FusedLinear, Linear, RMSNorm, RotaryEmbedding, norm_and_rotate_qk, silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(
             spec.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, spec.qkv_bias
         )
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -107,7 +108,7 @@ class MLP(nn.Module):
         super().__init__()
         size = spec.intermediate_size
         self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": size, "up_proj": size}, spec.mlp_bias)
-        self.down_proj = nn.Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -168,14 +169,22 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec, rotary)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._lm_head_fp32: torch.Tensor | None = None
+        self.batch_invariant = False
         self._targets: dict[str, tuple[torch.Tensor, int, int] | None] = {}  # see _resolve
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Compute every projection and the LM head with the batch-invariant matmul (rlserve.model.batch_invariant)."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = enabled
 
     def drop_derived_weights(self) -> None:
         """Forget copies derived from the weights (the fp32 LM head): they are rebuilt from the weights when used."""
@@ -186,6 +195,8 @@ class DecoderForCausalLM(nn.Module):
             return self.lm_head(hidden)
         if self._lm_head_fp32 is None:  # refreshed whenever load_weights writes the head
             self._lm_head_fp32 = self.lm_head.weight.detach().float()
+        if self.batch_invariant:
+            return batch_invariant.linear(hidden.float(), self._lm_head_fp32)
         return torch.nn.functional.linear(hidden.float(), self._lm_head_fp32)
 
     # ---- checkpoint-format weights: one loader for start-up and for live updates ----

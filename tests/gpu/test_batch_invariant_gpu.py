@@ -1,0 +1,64 @@
+"""Batch-invariant mode on CUDA (bf16, CUDA graphs on): a request's tokens and logprobs do not depend on its batch
+or on how its prompt is split into steps, and equal rlserve's batch-invariant trainer-side forward bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlserve import LLM, SamplingParams
+from rlserve.rl.parity import trainer_logprobs
+from rlserve.rl.train_forward import load_training_model
+from rlserve.toy import make_model_dir
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TEMPERATURE = 0.7
+TARGET = list(range(30, 30 + 83))  # several 64-key attention tiles, a partial last one
+# 80 other requests of many lengths: linear layers see several 64-row tiles, decode batches shrink as they finish.
+OTHERS = [[(200 + i + j) % 250 for j in range(1 + (i * 37) % 150)] for i in range(80)]  # the vocabulary has 259
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_model_dir(tmp_path_factory.mktemp("bi"), preset="small", seed=11))
+
+
+def run(llm: LLM, prompts, seeds, max_tokens: int = 40):
+    params = [
+        SamplingParams(temperature=TEMPERATURE, seed=s, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        for s in seeds
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outputs:
+        sample = out.outputs[0]
+        results.append(
+            (list(sample.token_ids), [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids, strict=True)])
+        )
+    return results
+
+
+def engine(model_dir: str, **kwargs) -> LLM:
+    return LLM(
+        model_dir, dtype="bfloat16", device="cuda", num_kv_blocks=4096, batch_invariant=True,
+        logprobs_mode="processed_logprobs", **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("lm_head_dtype", [None, "float32"])
+def test_batch_invariant_on_cuda(model_dir, lm_head_dtype) -> None:
+    llm = engine(model_dir, lm_head_dtype=lm_head_dtype)
+    alone = run(llm, [TARGET], [7])[0]
+    batch = run(llm, OTHERS[:40] + [TARGET] + OTHERS[40:], [*range(100, 140), 7, *range(140, 180)])
+    assert batch[40] == alone
+    assert run(llm, [TARGET], [7])[0] == alone  # prefix-cache hit for its full blocks
+    chunked = engine(model_dir, lm_head_dtype=lm_head_dtype, max_num_batched_tokens=48, enable_prefix_caching=False)
+    assert run(chunked, OTHERS[:6] + [TARGET], [*range(6), 7])[6] == alone
+
+    if lm_head_dtype is None:  # the trainer-side forward computes the head in the model's dtype
+        trainer = load_training_model(model_dir, torch.bfloat16, "cuda", batch_invariant=True)
+        prompts, results = [TARGET, *OTHERS[:40]], [alone, *batch[:40]]
+        mine = trainer_logprobs(trainer, prompts, [t for t, _ in results], temperature=TEMPERATURE, processed=True)
+        for (_, engine_logprobs), values in zip(results, mine, strict=True):
+            assert engine_logprobs == values.tolist()

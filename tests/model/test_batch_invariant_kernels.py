@@ -1,0 +1,69 @@
+"""CPU checks of the batch-invariant Triton matmul (rlserve.model.batch_invariant_kernels) under TRITON_INTERPRET=1:
+it computes x @ w.T (+ bias), and a row's bits do not depend on how many rows are computed with it.
+
+interpret_helpers.py sets the interpreter up (or re-runs these checks in a fresh process where triton was imported
+before it could).
+"""
+
+from __future__ import annotations
+
+import interpret_helpers  # first: sets TRITON_INTERPRET before anything imports triton
+import pytest
+import torch
+
+interpret_helpers.require_triton()
+
+from rlserve.model.batch_invariant_kernels import BLOCK_K, BLOCK_M, BLOCK_N, matmul  # noqa: E402
+
+interpreted = interpret_helpers.interpreted
+
+if not interpret_helpers.IN_PROCESS:
+
+    def test_in_fresh_process():
+        interpret_helpers.run_in_fresh_process(__file__)
+
+
+# Tails in every dimension: more rows than one tile, K not a multiple of BLOCK_K, N not a multiple of BLOCK_N.
+M, K, N = BLOCK_M + 11, BLOCK_K + 24, BLOCK_N + 9
+
+
+def operands(dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_computes_x_times_w_transposed(dtype, bias) -> None:
+    x, w, b = operands(dtype, bias)
+    out = matmul(x, w, b)
+    assert out.dtype == dtype and out.shape == (M, N)
+    expected = x.float() @ w.float().T + (b.float() if bias else 0.0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * K**0.5)
+
+
+@interpreted
+def test_rows_do_not_depend_on_the_batch() -> None:
+    x, w, b = operands(torch.float32, True)
+    full = matmul(x, w, b)
+    for rows in (1, 2, 17, BLOCK_M, BLOCK_M + 1):
+        assert torch.equal(matmul(x[:rows], w, b), full[:rows]), rows
+        assert torch.equal(matmul(x[-rows:], w, b), full[-rows:]), rows
+
+
+@interpreted
+def test_strided_rows_and_bad_shapes() -> None:
+    x, w, _ = operands(torch.float32, False)
+    wide = torch.zeros(M, 2 * K)
+    wide[:, ::2] = x  # rows and columns both strided
+    assert torch.equal(matmul(wide[:, ::2], w), matmul(x, w))
+    with pytest.raises(ValueError, match="x must be"):
+        matmul(x[:, :-1], w)
+    with pytest.raises(ValueError, match="dtype|is torch"):
+        matmul(x.double(), w)
+    assert matmul(x[:0], w).shape == (0, N)
