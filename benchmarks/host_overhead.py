@@ -4,18 +4,24 @@ On the GPU this work does not overlap the forward pass, so it adds to every step
 which makes it the CPU-side proxy to iterate on for issue 3 (W1 decodes 1,024 sequences per step).
 
     OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --batch 1024 --output-len 128 --repeats 5
+
+`--stream` runs the requests through `AsyncLLM` as the server's streaming completions do (a DELTA output with its
+text per step and request, consumed by one asyncio task each), which adds the output processor, detokenization and
+the event loop to what is measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import tempfile
 import time
 
 import torch
 
-from rlserve import LLM, SamplingParams
+from rlserve import LLM, RequestOutputKind, SamplingParams
+from rlserve.engine.async_llm import AsyncLLM
 from rlserve.model.runner import LaunchedStep
 from rlserve.toy import make_model_dir
 
@@ -29,11 +35,13 @@ def main() -> None:
     ap.add_argument(
         "--with-runner", action="store_true", help="include the model runner's host work (only the forward is stubbed)"
     )
+    ap.add_argument("--stream", action="store_true", help="stream DELTA outputs through AsyncLLM (see above)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model_dir = make_model_dir(tempfile.mkdtemp(), preset="tiny", max_position_embeddings=4096)
     blocks = args.batch * ((args.prompt_len + args.output_len) // 16 + 2)
-    llm = LLM(str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=16384, num_kv_blocks=blocks)
+    engine_cls = AsyncLLM if args.stream else LLM
+    llm = engine_cls(str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=16384, num_kv_blocks=blocks)
 
     runner = llm.engine_core.runner
     if args.with_runner:
@@ -59,11 +67,34 @@ def main() -> None:
         {"prompt_token_ids": torch.randint(0, 250, (args.prompt_len,), generator=g).tolist()} for _ in range(args.batch)
     ]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    per_step = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        per_step.append((time.perf_counter() - t0) / args.output_len * 1e3)
+
+    async def stream_all(run: int) -> None:
+        delta = SamplingParams(max_tokens=args.output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+        async def consume(i: int) -> None:
+            async for _ in llm.generate(prompts[i], delta, request_id=f"{run}-{i}"):
+                pass
+
+        await asyncio.gather(*(consume(i) for i in range(len(prompts))))
+
+    async def timed_streams() -> list[float]:  # one event loop for all runs: AsyncLLM binds to the first
+        times = []
+        for run in range(args.repeats):
+            t0 = time.perf_counter()
+            await stream_all(run)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    if args.stream:
+        seconds = asyncio.run(timed_streams())
+        llm.shutdown()
+    else:
+        seconds = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            seconds.append(time.perf_counter() - t0)
+    per_step = [s / args.output_len * 1e3 for s in seconds]
     print(
         f"batch {args.batch}: host work per decode step {statistics.median(per_step):.1f} ms median "
         f"(min {min(per_step):.1f}, max {max(per_step):.1f}, {args.repeats} runs; "

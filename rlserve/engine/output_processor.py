@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from rlserve.engine.core import EngineCoreOutput
-from rlserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from rlserve.engine.detokenizer import Detokenizer, find_stop_string, make_detokenizer
 from rlserve.model.runner import PositionLogprobsData
 from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -21,7 +21,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 class _Sample:
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
@@ -46,7 +46,11 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        # A loop, not all(genexpr): read for every request at every step, and a generator per call showed up.
+        for s in self.samples:
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -67,7 +71,7 @@ class OutputProcessor:
             # output decodes once at the end, which keeps detokenization off the step loop of offline runs.
             detok = None
             if params.detokenize and (params.stop or params.output_kind is not RequestOutputKind.FINAL_ONLY):
-                detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                detok = make_detokenizer(self.tokenizer, params.skip_special_tokens)
             samples.append(_Sample(i, child_params, detok, logprobs=[] if params.logprobs is not None else None))
             child_id = child_request_id(request_id, i, params.n)
             self.child_to_parent[child_id] = (request_id, i)
@@ -129,10 +133,11 @@ class OutputProcessor:
             touched[state.request_id] = state
         results = []
         for state in touched.values():
-            if state.kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+            finished = state.finished
+            if state.kind is RequestOutputKind.FINAL_ONLY and not finished:
                 continue
-            results.append(self._make_output(state))
-            if state.finished:
+            results.append(self._make_output(state, finished))
+            if finished:
                 del self.states[state.request_id]
         return results, to_abort
 
@@ -162,7 +167,7 @@ class OutputProcessor:
                 sample.text = sample.text[: hit[1]]
                 sample.finish_reason, sample.stop_reason = "stop", hit[0]
 
-    def _make_output(self, state: _RequestState) -> RequestOutput:
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
         completions = []
         delta = state.kind is RequestOutputKind.DELTA
         for s in state.samples:
@@ -193,7 +198,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
             num_cached_tokens=state.num_cached_tokens,
         )
 
@@ -207,7 +212,7 @@ class OutputProcessor:
                 s.finish_reason = "abort"
             self.child_to_parent.pop(child_request_id(request_id, s.index, len(state.samples)), None)
         del self.states[request_id]
-        return self._make_output(state)
+        return self._make_output(state, finished=True)
 
 
 def _hides_stop_token(params: SamplingParams, finish_reason: str | None, stop_reason: int | str | None) -> bool:
