@@ -520,7 +520,7 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
         return await serving.chat(req, raw)
 
     if enable_rl_api:
-        app.include_router(build_rl_router(engine, serving.active, auth), responses=errors)
+        app.include_router(build_rl_router(engine, serving.active, auth, metrics), responses=errors)
     return app
 
 

@@ -1,7 +1,9 @@
 """Prometheus metrics of one server, in a registry of its own (several apps in one process must not collide).
 
 Engine state is read from `AsyncLLM.stats()` at scrape time rather than pushed, so the engine core needs no hooks;
-only what the server alone sees (how requests finished) is counted as it happens.
+only what the server alone sees (how requests finished, how long RL control calls took) is counted as it happens.
+The RL histograms answer where a slow weight sync goes: each control route's duration, start -> finish of every
+weight update, and how long generation stood still between a pause and its resume.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -62,6 +64,10 @@ class _EngineCollector:
         yield info
 
 
+# From a millisecond (an ipc sync of a small model) to a minute (an NCCL rendezvous).
+RL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
 class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -72,10 +78,53 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self._rl_call = Histogram(
+            "rlserve_rl_call_seconds",
+            "Duration of each RL control call as the server handled it, by route (failed calls included).",
+            ["model_name", "route"],
+            buckets=RL_BUCKETS,
+            registry=self.registry,
+        )
+        self._weight_update = Histogram(
+            "rlserve_weight_update_seconds",
+            "start_weight_update to finish_weight_update, per finished weight update.",
+            ["model_name"],
+            buckets=RL_BUCKETS,
+            registry=self.registry,
+        )
+        self._paused = Histogram(
+            "rlserve_pause_seconds",
+            "How long generation stood still: a pause to the resume that ended it.",
+            ["model_name"],
+            buckets=RL_BUCKETS,
+            registry=self.registry,
+        )
+        self._update_started: float | None = None
+        self._paused_since: float | None = None
         self.model_name = model_name
 
     def count_finished(self, finish_reason: str) -> None:
         self._finished.labels(self.model_name, finish_reason).inc()
+
+    def observe_rl_call(self, route: str, seconds: float) -> None:
+        self._rl_call.labels(self.model_name, route).observe(seconds)
+
+    def weight_update_started(self) -> None:
+        self._update_started = time.perf_counter()
+
+    def weight_update_finished(self) -> None:
+        if self._update_started is not None:
+            self._weight_update.labels(self.model_name).observe(time.perf_counter() - self._update_started)
+            self._update_started = None
+
+    def generation_paused(self) -> None:
+        if self._paused_since is None:  # pause is idempotent: the first one starts the standstill
+            self._paused_since = time.perf_counter()
+
+    def generation_resumed(self) -> None:
+        if self._paused_since is not None:
+            self._paused.labels(self.model_name).observe(time.perf_counter() - self._paused_since)
+            self._paused_since = None
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -10,13 +10,15 @@ Bodies are read by hand rather than by pydantic so that malformed JSON is a 400,
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Collection, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.core import PAUSE_MODES
+from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError
 from rlserve.weight_transfer.checksum import compare_checksums
 
@@ -59,10 +61,21 @@ async def _engine_call(call: Awaitable[T], param: str | None = None, fields: Col
 
 
 def build_rl_router(
-    engine: AsyncLLM, active_requests: Mapping[str, list[str]], auth: Callable[..., Awaitable[None]]
+    engine: AsyncLLM,
+    active_requests: Mapping[str, list[str]],
+    auth: Callable[..., Awaitable[None]],
+    metrics: ServerMetrics,
 ) -> APIRouter:
     """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests."""
-    router = APIRouter(dependencies=[Depends(auth)], tags=["rl"])
+
+    async def timed(request: Request) -> AsyncIterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            metrics.observe_rl_call(request.scope["route"].path, time.perf_counter() - start)
+
+    router = APIRouter(dependencies=[Depends(auth), Depends(timed)], tags=["rl"])
     checksum_baseline: dict[str, dict[str, str]] = {}  # "baseline" -> the last checksum taken, for compare
 
     @router.post("/pause")
@@ -74,11 +87,13 @@ def build_rl_router(
         if mode not in PAUSE_MODES:
             raise APIError(400, f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "query.mode")
         await _engine_call(engine.pause_generation(mode=mode, clear_cache=clear_cache), "query.mode")
+        metrics.generation_paused()
         return {"status": "paused"}
 
     @router.post("/resume")
     async def resume() -> dict[str, str]:
         await _engine_call(engine.resume_generation())
+        metrics.generation_resumed()
         return {"status": "resumed"}
 
     @router.get("/is_paused")
@@ -114,6 +129,7 @@ def build_rl_router(
                 400, "is_checkpoint_format: rlserve loads checkpoint-format names only", "is_checkpoint_format"
             )
         await _engine_call(engine.start_weight_update())
+        metrics.weight_update_started()
         return {"message": "Weight update started"}
 
     @router.post("/update_weights")
@@ -126,6 +142,7 @@ def build_rl_router(
     async def finish_weight_update(request: Request) -> dict[str, str]:
         version = _field(await _json_body(request), "weight_version", (str, int))
         await _engine_call(engine.finish_weight_update(None if version is None else str(version)), "weight_version")
+        metrics.weight_update_finished()
         return {"message": "Weight update finished"}
 
     @router.post("/update_weight_version")

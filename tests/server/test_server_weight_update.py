@@ -64,6 +64,8 @@ def test_weight_update_with_requests_in_flight(
         "shapes": [list(new_weights[n].shape) for n in names],
     }
     before = rl.weight_checksums()
+    with server.client() as http:
+        metrics_before = http.get("/metrics").text  # the server is shared: RL histograms are read as differences
     assert compare_checksums(before, weight_checksums(new_weights.items()))["mismatches"], "same weights already"
 
     def send() -> None:
@@ -107,6 +109,21 @@ def test_weight_update_with_requests_in_flight(
         served = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
         assert served["weight_versions"] == [NEW_VERSION] * 16
 
+    # The RL histograms saw the sequence: one update (start -> finish), one standstill (pause -> resume), each route.
+    with server.client() as http:
+        metrics_after = http.get("/metrics").text
+
+    def grew(name: str, **labels: str) -> float:
+        return _sample(metrics_after, name, **labels) - _sample(metrics_before, name, **labels)
+
+    assert grew("rlserve_weight_update_seconds_count") == 1
+    assert grew("rlserve_pause_seconds_count") == 1
+    update_s = grew("rlserve_weight_update_seconds_sum")
+    assert 0 < update_s < grew("rlserve_pause_seconds_sum")  # the update happens inside the pause
+    for route in ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"):
+        assert grew("rlserve_rl_call_seconds_count", route=route) == 1, route
+    assert grew("rlserve_rl_call_seconds_sum", route="/update_weights") <= update_s
+
     # The server now generates exactly what an engine started on the new checkpoint does.
     offline = LLM(str(new_weights_dir), num_kv_blocks=64)
     try:
@@ -115,3 +132,14 @@ def test_weight_update_with_requests_in_flight(
     finally:
         offline.shutdown()
     assert served["token_ids"] == expected
+
+
+def _sample(metrics_text: str, name: str, **labels: str) -> float:
+    """The value of one sample of a Prometheus text exposition, matched by name and (a subset of) its labels; 0 for a
+    labelled series not observed yet."""
+    for line in metrics_text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
