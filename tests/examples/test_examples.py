@@ -28,3 +28,11 @@ def test_http_control_drives_a_server_through_an_update():
     out = _run("http_control.py")
     assert "versions: {'step-1'}" in out
     assert "server weight version: step-1" in out
+
+
+def test_exact_logprobs_equal_bit_for_bit_across_an_update():
+    out = _run("exact_logprobs.py")
+    lines = out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["step 0", "step 1"]
+    assert all("max |engine - trainer| = 0.0," in line and "mean ratio = 1.0" in line for line in lines[:2])
+    assert lines[2].endswith(": True")
