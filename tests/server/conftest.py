@@ -1,8 +1,9 @@
 """Real `rlserve serve` processes on 127.0.0.1 for the server tests, and helpers to read their SSE streams.
 
-Server starts cost seconds, so there are two, each started once per session: `server` (RL API on, API key, the
-`nccl` weight-transfer backend for the live-update test) and, only for the test that needs it, `plain_server` (RL API
-off). Every test that pauses resumes in `rl`'s teardown, so a failing test cannot leave the shared server paused.
+Server starts cost seconds, so each is started once per session: `server` (RL API on, API key, the `nccl`
+weight-transfer backend for the live-update test) and, only for the tests that need them, `plain_server` (RL API off)
+and `batch_invariant_server`. Every test that pauses resumes in `rl`'s teardown, so a failing test cannot leave the
+shared server paused.
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ def server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     log = tmp_path_factory.mktemp("server-logs") / "server.log"
     wt = json.dumps({"backend": "nccl"})
     yield from _serve(server_model_dir, log, "--enable-rl-api", "--weight-transfer-config", wt, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def batch_invariant_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server-logs") / "batch-invariant.log"
+    args = ("--batch-invariant", "--logprobs-mode", "processed_logprobs")
+    yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")
