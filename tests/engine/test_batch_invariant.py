@@ -3,11 +3,18 @@ prompt is split into steps, and they equal the trainer-side forward of rlserve.r
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import socket
 
-from rlserve import SamplingParams
+import pytest
+from safetensors.torch import load_file
+
+from rlserve import SamplingParams, WeightTransferConfig
+from rlserve.engine.async_llm import AsyncLLM
 from rlserve.rl.parity import trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
+from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+from rlserve.weight_transfer.base import dtype_name
 
 TEMPERATURE = 0.7
 TARGET = list(range(30, 57))  # 27 tokens: one full block of 16 and a partial one
@@ -18,14 +25,13 @@ def params(seed: int, max_tokens: int = 20) -> SamplingParams:
     return SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
 
 
+def token_logprobs(sample) -> list[float]:
+    return [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids, strict=True)]
+
+
 def run(llm, generate, prompts: list[list[int]], seeds: list[int]) -> list[tuple[list[int], list[float]]]:
     outputs = generate(llm, [{"prompt_token_ids": p} for p in prompts], [params(s) for s in seeds])
-    results = []
-    for out in outputs:
-        sample = out.outputs[0]
-        logprobs = [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids, strict=True)]
-        results.append((list(sample.token_ids), logprobs))
-    return results
+    return [(list(out.outputs[0].token_ids), token_logprobs(out.outputs[0])) for out in outputs]
 
 
 @pytest.fixture(params=["qwen3", "llama"])
@@ -81,3 +87,71 @@ def test_cli_flag_reaches_the_engine_config() -> None:
     args = build_parser().parse_args(["serve", "model-dir", "--batch-invariant"])
     assert engine_kwargs(args)["batch_invariant"] is True
     assert engine_kwargs(build_parser().parse_args(["serve", "model-dir"]))["batch_invariant"] is False
+
+
+def test_continuation_after_a_live_update_equals_a_fresh_engine_on_the_new_weights(
+    qwen3_dir, qwen3_alt_dir, make_llm
+) -> None:
+    """vLLM's rlhf_async_new_apis check, exact: requests paused (keep, clear_cache) mid-generation, weights replaced
+    over the native API (nccl backend, gloo on CPU), resumed; what each generates after the update, tokens and logprob
+    bits, equals a fresh engine on the new weights fed the prompt plus the tokens generated before the pause."""
+    new = load_file(str(qwen3_alt_dir / "model.safetensors"))
+    names = sorted(new)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, logprobs=0, ignore_eos=True)
+    prompts = [TARGET, *OTHERS[:3]]
+    engine = AsyncLLM(
+        str(qwen3_dir), batch_invariant=True, logprobs_mode="processed_logprobs", num_kv_blocks=256,
+        weight_transfer_config=WeightTransferConfig(backend="nccl"),
+    )  # fmt: skip
+
+    async def run() -> list:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+        _, group = await asyncio.gather(
+            engine.init_weight_transfer_engine({"init_info": init}),
+            asyncio.to_thread(NCCLWeightTransferEngine.trainer_init, {**init, "timeout_s": 60}),
+        )
+        latest: dict[int, object] = {}
+
+        async def consume(i: int) -> None:
+            async for out in engine.generate({"prompt_token_ids": prompts[i]}, greedy, request_id=f"r{i}"):
+                latest[i] = out
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+        while len(latest) < len(prompts) or min(len(o.outputs[0].token_ids) for o in latest.values()) < 5:
+            await asyncio.sleep(0.005)
+        await engine.pause_generation(mode="keep", clear_cache=True)
+        await engine.start_weight_update()
+        update_info = {
+            "names": names,
+            "dtype_names": [dtype_name(new[n].dtype) for n in names],
+            "shapes": [list(new[n].shape) for n in names],
+        }
+        send = NCCLWeightTransferEngine.trainer_send_weights
+        await asyncio.gather(
+            engine.update_weights({"update_info": update_info}),
+            asyncio.to_thread(send, ((n, new[n]) for n in names), NCCLTrainerSendWeightsArgs(group=group)),
+        )
+        await engine.finish_weight_update(weight_version="new")
+        await engine.resume_generation()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        group.shutdown()
+        return [latest[i].outputs[0] for i in range(len(prompts))]
+
+    try:
+        samples = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    fresh = make(make_llm, qwen3_alt_dir)
+    for prompt, sample in zip(prompts, samples, strict=True):
+        switch = sample.weight_versions.index("new")
+        assert 0 < switch < len(sample.token_ids)
+        assert sample.weight_versions[switch:] == ["new"] * (len(sample.token_ids) - switch)
+        tokens, logprobs = sample.token_ids, token_logprobs(sample)
+        params = SamplingParams(temperature=0.0, max_tokens=len(tokens) - switch, logprobs=0, ignore_eos=True)
+        (out,) = fresh.generate([{"prompt_token_ids": prompt + tokens[:switch]}], params, use_tqdm=False)
+        again = out.outputs[0]
+        assert again.token_ids == tokens[switch:]
+        assert token_logprobs(again) == logprobs[switch:]
