@@ -32,7 +32,7 @@ from rlserve.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from rlserve.weight_transfer.packed import as_bytes, receive_buckets, send_packed, tensor_metas
+from rlserve.weight_transfer.packed import PackedSender, as_bytes, receive_buckets, tensor_metas
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -57,6 +57,7 @@ class WeightTransferGroup:
         self.world_size = world_size
         self.timeout = timeout
         self._backends: dict[str, _Backend] = {}
+        self.packed_sender = PackedSender()  # the trainer's: its streams serve every update
 
     @classmethod
     def create(
@@ -284,7 +285,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         post = args.post_iter_func or (lambda item: item[1])
         group = args.group
         if args.packed:
-            send_packed(
+            group.packed_sender.send(
                 (post(item) for item in iterator),
                 lambda t: group.broadcast(t, src=args.src),
                 args.packed_buffer_size_bytes,

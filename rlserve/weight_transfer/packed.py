@@ -112,18 +112,6 @@ def unpack_tensors(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tu
     return out
 
 
-# One set of streams per (device, num_buffers), created once: fresh streams per call leaked allocator memory in
-# vLLM (gh-52950), since the caching allocator keeps per-stream pools.
-_SLOT_STREAMS: dict[tuple[torch.device, int], list[torch.cuda.Stream]] = {}
-
-
-def _slot_streams(device: torch.device, num_buffers: int) -> list[torch.cuda.Stream]:
-    key = (device, num_buffers)
-    if key not in _SLOT_STREAMS:
-        _SLOT_STREAMS[key] = [torch.cuda.Stream(device=device) for _ in range(num_buffers)]
-    return _SLOT_STREAMS[key]
-
-
 @dataclass
 class _InFlight:
     """A bucket whose broadcast may still be running, and what must stay alive until it is done."""
@@ -139,14 +127,13 @@ class _InFlight:
             self.stream.synchronize()  # the stream already waits on the broadcast (see _start_bucket)
 
 
-def _start_bucket(bucket: list[torch.Tensor], broadcast: BroadcastFn, slot: int, num_buffers: int) -> _InFlight:
+def _start_bucket(bucket: list[torch.Tensor], broadcast: BroadcastFn, stream: torch.cuda.Stream | None) -> _InFlight:
     device = bucket[0].device
-    if device.type != "cuda":
+    if stream is None:
         # On CPU the concatenation is done when cat returns; gloo sends from its own threads, so packing the next
         # bucket still overlaps this send.
         packed = pack_tensors(bucket)
         return _InFlight(broadcast(packed), None, [packed])
-    stream = _slot_streams(device, num_buffers)[slot]
     # The tensors were produced on the caller's stream: the slot's stream must see them finished before packing.
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -158,35 +145,54 @@ def _start_bucket(bucket: list[torch.Tensor], broadcast: BroadcastFn, slot: int,
     return _InFlight(work, stream, [packed, *bucket])
 
 
-_WARNED_BUDGETS: set[int] = set()
+class PackedSender:
+    """Producer of packed broadcasts: `send` packs tensors into buckets and broadcasts them, with `num_buffers`
+    buckets in flight so packing bucket i+1 overlaps sending bucket i.
 
+    Keep one per trainer-side connection (WeightTransferGroup has one) and reuse it for every update: its CUDA
+    streams are created once (fresh streams per call leaked allocator memory in vLLM, gh-52950, since the caching
+    allocator keeps per-stream pools), and it warns about an oversized tensor once, not at every training step.
+    """
 
-def send_packed(
-    tensors: Iterable[torch.Tensor], broadcast: BroadcastFn, buffer_size_bytes: int, num_buffers: int
-) -> None:
-    """Producer: pack `tensors` into buckets and broadcast them, with `num_buffers` buckets in flight so packing
-    bucket i+1 overlaps sending bucket i. Returns when every broadcast has completed."""
-    _check_params(buffer_size_bytes, num_buffers)
-    slots: list[_InFlight | None] = [None] * num_buffers
-    for index, bucket in enumerate(iter_buckets(tensors, lambda t: t.nbytes, buffer_size_bytes)):
-        slot = index % num_buffers
-        in_flight = slots[slot]
-        if in_flight is not None:
-            in_flight.wait()
-            # Drop every reference to the old packed buffer before the next one is allocated.
-            slots[slot] = in_flight = None
-        if len(bucket) == 1 and bucket[0].nbytes > buffer_size_bytes and buffer_size_bytes not in _WARNED_BUDGETS:
-            _WARNED_BUDGETS.add(buffer_size_bytes)  # once per budget: the same model is sent at every training step
-            logger.warning(
-                "a tensor of %d bytes exceeds the packed buffer size (%d bytes): such tensors are sent as their own "
-                "bucket, which needs their whole size on both sides",
-                bucket[0].nbytes,
-                buffer_size_bytes,
-            )
-        slots[slot] = _start_bucket(bucket, broadcast, slot, num_buffers)
-    for pending in slots:
-        if pending is not None:
-            pending.wait()
+    def __init__(self) -> None:
+        self._streams: dict[tuple[torch.device, int], list[torch.cuda.Stream]] = {}
+        self._warned_budgets: set[int] = set()
+
+    def _slot_stream(self, device: torch.device, num_buffers: int, slot: int) -> torch.cuda.Stream | None:
+        if device.type != "cuda":
+            return None
+        key = (device, num_buffers)
+        if key not in self._streams:
+            self._streams[key] = [torch.cuda.Stream(device=device) for _ in range(num_buffers)]
+        return self._streams[key][slot]
+
+    def send(
+        self, tensors: Iterable[torch.Tensor], broadcast: BroadcastFn, buffer_size_bytes: int, num_buffers: int
+    ) -> None:
+        """Returns when every broadcast has completed."""
+        _check_params(buffer_size_bytes, num_buffers)
+        slots: list[_InFlight | None] = [None] * num_buffers
+        for index, bucket in enumerate(iter_buckets(tensors, lambda t: t.nbytes, buffer_size_bytes)):
+            slot = index % num_buffers
+            in_flight = slots[slot]
+            if in_flight is not None:
+                in_flight.wait()
+                # Drop every reference to the old packed buffer before the next one is allocated.
+                slots[slot] = in_flight = None
+            oversized = len(bucket) == 1 and bucket[0].nbytes > buffer_size_bytes
+            if oversized and buffer_size_bytes not in self._warned_budgets:
+                self._warned_budgets.add(buffer_size_bytes)
+                logger.warning(
+                    "a tensor of %d bytes exceeds the packed buffer size (%d bytes): such tensors are sent as their "
+                    "own bucket, which needs their whole size on both sides",
+                    bucket[0].nbytes,
+                    buffer_size_bytes,
+                )
+            stream = self._slot_stream(bucket[0].device, num_buffers, slot)
+            slots[slot] = _start_bucket(bucket, broadcast, stream)
+        for pending in slots:
+            if pending is not None:
+                pending.wait()
 
 
 def receive_buckets(
@@ -202,9 +208,9 @@ def receive_buckets(
     flight, calling `load_weights` once per bucket in order. If `load_weights` raises, the remaining buckets are
     still received (and dropped) before the error is re-raised.
 
-    `packed=True` mirrors `send_packed` (one flat buffer per bucket, unpacked into views). `packed=False` mirrors a
-    sender that broadcasts tensor by tensor: each tensor is received into its own `torch.empty(shape, dtype)` and
-    the buckets only batch the `load_weights` calls and bound the memory held.
+    `packed=True` mirrors `PackedSender.send` (one flat buffer per bucket, unpacked into views). `packed=False`
+    mirrors a sender that broadcasts tensor by tensor: each tensor is received into its own `torch.empty(shape,
+    dtype)` and the buckets only batch the `load_weights` calls and bound the memory held.
     """
     _check_params(buffer_size_bytes, num_buffers)
     in_flight: deque[tuple[list[Work], Callable[[], list[tuple[str, torch.Tensor]]]]] = deque()

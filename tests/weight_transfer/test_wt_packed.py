@@ -9,13 +9,12 @@ from collections import deque
 import pytest
 import torch
 
-from rlserve.weight_transfer import packed as packed_module
 from rlserve.weight_transfer.packed import (
+    PackedSender,
     TensorMeta,
     pack_tensors,
     plan_buckets,
     receive_buckets,
-    send_packed,
     unpack_tensors,
 )
 
@@ -168,7 +167,7 @@ def test_pipelined_send_receive(num_buffers: int, packed: bool, device: str, mon
     with monkeypatch.context() as patch:
         packs = _PeakTracker(patch, "cat")  # the producer's packed buffers of multi-tensor buckets
         if packed:
-            send_packed(iter(tensors), link.send, budget, num_buffers)
+            PackedSender().send(iter(tensors), link.send, budget, num_buffers)
         else:
             for t in tensors:  # the unpacked sender: one broadcast per tensor
                 link.send(_raw(t))
@@ -186,22 +185,20 @@ def test_pipelined_send_receive(num_buffers: int, packed: bool, device: str, mon
         assert receive_buffers.peak == min(num_buffers, len(buckets))
 
 
-def test_send_packed_warns_about_oversized_tensor(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(packed_module, "_WARNED_BUDGETS", set())
+def test_send_packed_warns_about_oversized_tensor(caplog: pytest.LogCaptureFixture) -> None:
     link = _Loopback()
+    sender = PackedSender()
     with caplog.at_level(logging.WARNING):
-        send_packed(iter([torch.zeros(100), torch.zeros(2)]), link.send, 64, 2)
-        send_packed(iter([torch.zeros(100), torch.zeros(2)]), link.send, 64, 2)
-    assert caplog.text.count("exceeds the packed buffer size") == 1  # once, not at every training step
+        sender.send(iter([torch.zeros(100), torch.zeros(2)]), link.send, 64, 2)
+        sender.send(iter([torch.zeros(100), torch.zeros(2)]), link.send, 64, 2)
+    assert caplog.text.count("exceeds the packed buffer size") == 1  # once per sender, not at every training step
     for _ in range(2):
         assert [link.queue.popleft().numel() for _ in range(2)] == [400, 8]
 
 
 def test_empty_update_sends_nothing() -> None:
     link = _Loopback()
-    send_packed(iter([]), link.send, 64, 2)
+    PackedSender().send(iter([]), link.send, 64, 2)
     receive_buckets([], link.receive, lambda _: pytest.fail("nothing to load"), 64, 2, torch.device("cpu"), True)
     assert link.sent == link.received == 0
 
@@ -212,7 +209,7 @@ def test_receive_drains_the_update_when_load_fails(packed: bool) -> None:
     metas = _metas(tensors)
     link = _Loopback()
     if packed:
-        send_packed(iter(tensors), link.send, 300, 2)
+        PackedSender().send(iter(tensors), link.send, 300, 2)
     else:
         for t in tensors:
             link.send(_raw(t))
