@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,11 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-def _trainer(port: int, new_dir: str, rounds: list[dict]) -> None:
+def _trainer(port: int, new_dir: str, rounds: list[dict], world_size: int = 2) -> None:
     """Seed-shaped trainer code: join as rank 0, then send the new weights once per round."""
     weights = _checkpoint(Path(new_dir))
     group = NCCLWeightTransferEngine.trainer_init(
-        dict(master_address="127.0.0.1", master_port=port, world_size=2, timeout_s=TIMEOUT_S)
+        dict(master_address="127.0.0.1", master_port=port, world_size=world_size, timeout_s=TIMEOUT_S)
     )
     for r in rounds:
         items = list(weights.items())
@@ -81,10 +82,10 @@ def _update_info(weights: dict[str, torch.Tensor], **extra) -> dict:
     )
 
 
-def _run_with_trainer(new_dir: Path, rounds: list[dict], engine_side) -> None:
+def _run_with_trainer(new_dir: Path, rounds: list[dict], engine_side, world_size: int = 2) -> None:
     port = _free_port()
     ctx = multiprocessing.get_context("spawn")
-    trainer = ctx.Process(target=_trainer, args=(port, str(new_dir), rounds))
+    trainer = ctx.Process(target=_trainer, args=(port, str(new_dir), rounds, world_size))
     trainer.start()
     try:
         engine_side(port)
@@ -129,6 +130,35 @@ def test_update_equals_fresh_engine_packed_and_unpacked(model_dirs):
             assert compare_checksums(weight_checksums(weights.items()), llm.weight_checksums())["match"]
 
     _run_with_trainer(new, rounds, engine_side)
+
+
+def test_one_broadcast_updates_two_engines(model_dirs):
+    """Two inference engines (ranks 1 and 2: rank_offset + worker index) in one group with the trainer, as
+    PipelineRL runs several servers: every packed broadcast reaches both, and both then equal a fresh engine."""
+    old, new = model_dirs
+    weights = _checkpoint(new)
+    fresh = [o.outputs[0].token_ids for o in _outputs(LLM(str(new)))]
+    engines = [LLM(str(old), weight_transfer_config=WeightTransferConfig(backend="nccl")) for _ in range(2)]
+    rounds = [{"packed": True, "buffer": 8192}]
+
+    def engine_side(port: int) -> None:
+        def join_and_update(llm: LLM, rank_offset: int) -> None:
+            info = dict(master_address="127.0.0.1", master_port=port, rank_offset=rank_offset, world_size=3)
+            llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+            llm.start_weight_update()
+            update_info = _update_info(weights, packed=True, packed_buffer_size_bytes=8192)
+            llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            llm.finish_weight_update(weight_version="step-1")
+
+        # Every rank must join, and every broadcast needs all of them: the engines run side by side.
+        with ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(join_and_update, llm, 1 + i) for i, llm in enumerate(engines)]:
+                done.result(timeout=TIMEOUT_S)
+
+    _run_with_trainer(new, rounds, engine_side, world_size=3)
+    for llm in engines:
+        assert [o.outputs[0].token_ids for o in _outputs(llm)] == fresh
+        assert compare_checksums(weight_checksums(weights.items()), llm.weight_checksums())["match"]
 
 
 def test_refused_update_changes_nothing_and_trainer_finishes(model_dirs):
