@@ -3,8 +3,9 @@
 An RL loss weighs every token by exp(trainer logprob - behaviour logprob). In batch-invariant mode the engine computes
 each request the same way whatever else it is batched with, and rlserve's trainer-side forward runs the same kernels,
 so the ratio of an on-policy token is exactly 1: no importance-sampling correction is spent on numerical noise. This
-script samples a batch, recomputes its logprobs trainer-side, changes the weights as an optimizer step would, pushes
-them into the engine and checks again; then shows that a request's logprobs do not depend on its batch.
+script samples a batch, recomputes its logprobs trainer-side with `exact_trainer_logprobs` (the batch-invariant
+forward's values, the regular forward's gradients), takes an optimizer step on a policy-gradient loss, pushes the new
+weights into the engine and checks again; then shows that a request's logprobs do not depend on its batch.
 
     python examples/exact_logprobs.py
 """
@@ -16,7 +17,7 @@ import tempfile
 import torch
 
 from rlserve import LLM, SamplingParams
-from rlserve.rl.parity import compare_logprobs, trainer_logprobs
+from rlserve.rl.parity import compare_logprobs, exact_trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
 from rlserve.toy import make_model_dir
 
@@ -39,24 +40,27 @@ def main() -> None:
     model_dir = make_model_dir(tempfile.mkdtemp(prefix="rlserve-exact-"), preset="tiny", seed=0)
     # processed_logprobs: the distribution actually sampled (after temperature), the behaviour policy of the ratio.
     llm = LLM(str(model_dir), batch_invariant=True, logprobs_mode="processed_logprobs", num_kv_blocks=256)
-    trainer = load_training_model(model_dir, batch_invariant=True)
+    trainer = load_training_model(model_dir)  # rlserve's decoder, trainable
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (5, 12, 20, 33, 7, 16)]
 
     for step in range(2):
         completions, engine_logprobs = sample(llm, prompts, seed=100 * step)
-        mine = trainer_logprobs(trainer, prompts, completions, temperature=TEMPERATURE, processed=True)
-        stats = compare_logprobs(engine_logprobs, mine)
+        mine = exact_trainer_logprobs(trainer, prompts, completions, temperature=TEMPERATURE)
+        stats = compare_logprobs(engine_logprobs, [m.detach() for m in mine])
         print(
             f"step {step}: {stats.num_tokens} tokens, max |engine - trainer| = {stats.max_abs_diff}, "
             f"mean ratio = {stats.mean_ratio}"
         )
-        # An "optimizer step": the trainer's weights move, and the engine gets them (in-process here; over ipc or
-        # nccl in a real job, see examples/async_grpo.py and examples/http_control.py).
-        with torch.no_grad():
-            for param in trainer.parameters():
-                param.add_(torch.randn(param.shape, generator=gen) * 0.01)
-        llm.load_weights(trainer.checkpoint_weights())
+        # A policy-gradient step with made-up advantages, then the engine gets the new weights (in-process here;
+        # over ipc or nccl in a real job, see examples/async_grpo.py and examples/http_control.py).
+        advantages = torch.randn(len(prompts), generator=gen)
+        loss = -torch.stack([a * m.sum() for a, m in zip(advantages, mine, strict=True)]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        llm.load_weights((name, t.detach()) for name, t in trainer.checkpoint_weights())
 
     # The same request alone and inside a batch of others: the same tokens and the same logprob bits.
     alone = sample(llm, prompts[3:4], seed=7)

@@ -7,11 +7,12 @@ import asyncio
 import socket
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rlserve import SamplingParams, WeightTransferConfig
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.rl.parity import trainer_logprobs
+from rlserve.rl.parity import exact_trainer_logprobs, trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 from rlserve.weight_transfer.base import dtype_name
@@ -155,3 +156,23 @@ def test_continuation_after_a_live_update_equals_a_fresh_engine_on_the_new_weigh
         again = out.outputs[0]
         assert again.token_ids == tokens[switch:]
         assert token_logprobs(again) == logprobs[switch:]
+
+
+def test_exact_trainer_logprobs_have_the_engine_values_and_regular_gradients(qwen3_dir, make_llm, generate) -> None:
+    llm = make(make_llm, qwen3_dir)
+    prompts = [TARGET, *OTHERS[:3]]
+    results = run(llm, generate, prompts, list(range(len(prompts))))
+    completions = [tokens for tokens, _ in results]
+    model = load_training_model(qwen3_dir)  # trainable, regular mode
+    exact = exact_trainer_logprobs(model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    for (_, engine_logprobs), values in zip(results, exact, strict=True):
+        assert engine_logprobs == values.tolist()
+    assert not model.batch_invariant and all(p.requires_grad for p in model.parameters())
+    torch.stack([v.sum() for v in exact]).sum().backward()
+    exact_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    regular = trainer_logprobs(model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    torch.stack([v.sum() for v in regular]).sum().backward()
+    assert exact_grad.abs().sum() > 0 and torch.equal(exact_grad, model.lm_head.weight.grad)
+    # The regular forward alone is close to the engine but not bit-equal: what the straight-through buys.
+    assert any(e != r.tolist() for (_, e), r in zip(results, regular, strict=True))
