@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, kernel checks, the throughput table and W5 (SKIP_W5=1 skips it). Logs go to $OUT.
+# One device call: GPU tests, kernel checks, the throughput table, W1 in batch-invariant mode and W5 (SKIP_W5=1 skips
+# it). Logs go to $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -10,6 +11,8 @@ if [ -f benchmarks/attention_kernels.py ]; then
 fi
 python3 benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape ${THROUGHPUT_ARGS:-} --out "$OUT/throughput.json" 2>&1 \
   | grep -v "Loading weights\|Writing model" | tee "$OUT/throughput.log"
+python3 benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape --workloads W1 --hf none --batch-invariant \
+  --out "$OUT/throughput_bi.json" 2>&1 | grep -v "Loading weights\|Writing model" | tail -n 3 | tee "$OUT/throughput_bi.log"
 if [ -z "${SKIP_W5:-}" ]; then
   python3 benchmarks/async_updates.py --device cuda 2>&1 | grep -v "Loading weights\|Writing model" | tail -n 8 | tee "$OUT/w5.log"
 fi

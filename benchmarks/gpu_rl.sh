@@ -21,7 +21,7 @@ if [ "$NGPU" -ge 2 ]; then
   part w4_nccl 200 python3 benchmarks/weight_sync.py --backend nccl --buffer-mib 64 256 1024 --out "$OUT/w4_nccl.json"
 fi
 part w4_ipc 120 python3 benchmarks/weight_sync.py --backend ipc --updates 100 --out "$OUT/w4_ipc.json"
-part w6_parity 150 python3 benchmarks/parity.py --device cuda --scenarios lm_head,raw_vs_processed,prefix_cache \
-  --out "$OUT/w6_parity.json"
-part demo_ipc 180 python3 -m rlserve.cli demo --device cuda --backend ipc --out "$OUT/demo_ipc"
+part w6_parity 200 python3 benchmarks/parity.py --device cuda \
+  --scenarios lm_head,raw_vs_processed,prefix_cache,batch_invariant --out "$OUT/w6_parity.json"
+part demo_ipc 180 python3 -m rlserve.cli demo --device cuda --backend ipc --steps 100 --out "$OUT/demo_ipc"
 cat "$OUT/summary.txt"
