@@ -20,18 +20,22 @@ Weight bytes do not travel here; they go over the weight-transfer backend. The u
     client.resume()
 
 Every failure (HTTP error status) raises `RLServeError` with the status and the server's JSON error body.
+`AsyncRLServeGroup` drives several servers (data-parallel replicas) as one, with one broadcast updating them all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 DEFAULT_TIMEOUT_S = 600.0  # weight transfers and rendezvous may legitimately take minutes
+
+T = TypeVar("T")
 
 
 class RLServeError(Exception):
@@ -291,3 +295,78 @@ class AsyncRLServeClient:
 
     async def reset_prefix_cache(self) -> None:
         await self._send(_Routes.reset_prefix_cache)
+
+
+class AsyncRLServeGroup:
+    """Several `rlserve serve` replicas driven as one (data-parallel inference, as PipelineRL runs its servers): every
+    control call goes to all replicas at once and returns when all have answered (the first error raises). The
+    replicas join one weight-transfer group behind the trainer's rank 0, so one broadcast updates all of them:
+
+        group = AsyncRLServeGroup(urls, api_key="KEY")
+        init_infos = await group.init_infos(host, port)  # rank offsets from each replica's world size
+        _, nccl_group = await asyncio.gather(
+            group.init_weight_transfer_engine(init_infos),
+            asyncio.to_thread(NCCLWeightTransferEngine.trainer_init, init_infos[0]),  # the trainer is rank 0
+        )
+        await group.pause(mode="keep"); await group.start_weight_update()
+        await asyncio.gather(group.update_weights(update_info), asyncio.to_thread(trainer_send_weights, ...))
+        await group.finish_weight_update("step-1"); await group.resume()
+    """
+
+    def __init__(
+        self, base_urls: Sequence[str], api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        if not base_urls:
+            raise ValueError("base_urls: expected at least one server URL")
+        self.clients = [AsyncRLServeClient(url, api_key=api_key, timeout=timeout) for url in base_urls]
+
+    async def _all(self, call: Callable[[AsyncRLServeClient], Awaitable[T]]) -> list[T]:
+        return list(await asyncio.gather(*(call(client) for client in self.clients)))
+
+    async def aclose(self) -> None:
+        await self._all(lambda c: c.aclose())
+
+    async def __aenter__(self) -> AsyncRLServeGroup:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def wait_healthy(self, timeout: float = 120.0) -> None:
+        await self._all(lambda c: c.wait_healthy(timeout))
+
+    async def init_infos(self, master_address: str, master_port: int) -> list[dict[str, Any]]:
+        """One init_info per replica, in order: replica i's workers take the ranks after replica i-1's."""
+        sizes = await self._all(lambda c: c.get_world_size())
+        world_size = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        return [
+            {"master_address": master_address, "master_port": master_port, "rank_offset": o, "world_size": world_size}
+            for o in offsets
+        ]
+
+    async def init_weight_transfer_engine(self, init_infos: Sequence[dict[str, Any]]) -> None:
+        if len(init_infos) != len(self.clients):
+            raise ValueError(f"init_infos: expected one per replica ({len(self.clients)}), got {len(init_infos)}")
+        await asyncio.gather(*(c.init_weight_transfer_engine(i) for c, i in zip(self.clients, init_infos, strict=True)))
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await self._all(lambda c: c.pause(mode, clear_cache))
+
+    async def resume(self) -> None:
+        await self._all(lambda c: c.resume())
+
+    async def start_weight_update(self) -> None:
+        await self._all(lambda c: c.start_weight_update())
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        await self._all(lambda c: c.update_weights(update_info))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._all(lambda c: c.finish_weight_update(weight_version))
+
+    async def get_weight_versions(self) -> list[str]:
+        return await self._all(lambda c: c.get_weight_version())
+
+    async def weight_checksums(self) -> list[dict[str, str]]:
+        return await self._all(lambda c: c.weight_checksums())

@@ -1,9 +1,9 @@
 """Real `rlserve serve` processes on 127.0.0.1 for the server tests, and helpers to read their SSE streams.
 
 Server starts cost seconds, so each is started once per session: `server` (RL API on, API key, the `nccl`
-weight-transfer backend for the live-update test) and, only for the tests that need them, `plain_server` (RL API off)
-and `batch_invariant_server`. Every test that pauses resumes in `rl`'s teardown, so a failing test cannot leave the
-shared server paused.
+weight-transfer backend for the live-update test) and, only for the tests that need them, `plain_server` (RL API
+off), `batch_invariant_server` and `replica_servers`. Every test that pauses resumes in `rl`'s teardown, so a failing
+test cannot leave the shared server paused.
 """
 
 from __future__ import annotations
@@ -91,6 +91,22 @@ def batch_invariant_server(server_model_dir: Path, tmp_path_factory: pytest.Temp
     log = tmp_path_factory.mktemp("server-logs") / "batch-invariant.log"
     args = ("--batch-invariant", "--logprobs-mode", "processed_logprobs")
     yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def replica_servers(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """Two more RL-enabled servers on the same checkpoint: data-parallel replicas, started side by side."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    wt = json.dumps({"backend": "nccl"})
+    args = ("--enable-rl-api", "--weight-transfer-config", wt)
+    servers = [_start(server_model_dir, logs / f"replica-{i}.log", *args, api_key=API_KEY) for i in range(2)]
+    try:
+        for server in servers:
+            _wait_healthy(server)
+        yield servers
+    finally:
+        for server in servers:
+            _stop(server)
 
 
 @pytest.fixture(scope="session")
