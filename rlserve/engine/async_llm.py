@@ -170,6 +170,9 @@ class AsyncLLM:
     async def pause_generation(
         self, *, mode: str = "abort", clear_cache: bool = True, wait_for_inflight_requests: bool | None = None
     ) -> None:
+        """abort: end the requests in flight, return once their streams have their last output. wait: admit nothing
+        new, return when the requests in flight have finished (then clear the cache if asked) or when a resume ends
+        the pause first (the cache is then left as it is). keep: freeze everything where it is."""
         if wait_for_inflight_requests is not None:  # vLLM's deprecated spelling of mode="wait"
             mode = "wait" if wait_for_inflight_requests else mode
         if mode not in PAUSE_MODES:
@@ -195,7 +198,15 @@ class AsyncLLM:
                 await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=STREAM_DRAIN_TIMEOUT_S)
 
     async def resume_generation(self) -> None:
-        await self._call(lambda core: core.resume())
+        def resume(core: EngineCore) -> None:
+            core.resume()
+            # A pause(mode="wait") still waiting for its requests is over: it returns now rather than when the
+            # traffic admitted after this resume happens to drain, which under steady load is never.
+            pauses, self._wait_pauses = self._wait_pauses, []
+            for resolve, _ in pauses:
+                resolve()
+
+        await self._call(resume)
 
     async def is_paused(self) -> bool:
         return self.engine_core.is_paused()
