@@ -41,6 +41,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(rlserve.rl.train_forward) bit for bit; slower",
     )
     parser.add_argument(
+        "--worker-extension-cls",
+        default=None,
+        help="'package.module:Class' whose methods join the worker, for /collective_rpc (vLLM's option)",
+    )
+    parser.add_argument(
         "--weight-transfer-config",
         type=json.loads,
         default=None,
@@ -69,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=not args.no_async_scheduling,
         batch_invariant=args.batch_invariant,
+        worker_extension_cls=args.worker_extension_cls,
         weight_transfer_config=WeightTransferConfig(**wt) if wt else None,
     )
 

@@ -42,6 +42,8 @@ class EngineConfig:
     # Every row computed the same way whatever the batch (rlserve.model.batch_invariant): a request's tokens and
     # logprobs do not depend on what else runs, and equal rlserve's trainer-side forward bit for bit. Slower.
     batch_invariant: bool = False
+    # "package.module:Class" whose methods join the engine's worker, for collective_rpc (vLLM's worker_extension_cls).
+    worker_extension_cls: str | None = None
     weight_transfer_config: WeightTransferConfig | None = field(default=None)
 
     def __post_init__(self) -> None:

@@ -249,6 +249,13 @@ class AsyncLLM:
     async def weight_checksums(self) -> dict[str, str]:
         return await self._call(lambda core: core.checksums())
 
+    async def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
+        """vLLM's collective_rpc (see LLM.collective_rpc), run on the core thread between steps."""
+        call = self._call(lambda core: core.collective_rpc(method, args, kwargs))
+        return await (call if timeout is None else asyncio.wait_for(call, timeout))
+
     async def reset_prefix_cache(self) -> None:
         await self._call(lambda core: core.reset_prefix_cache())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +16,8 @@ from rlserve.config import EngineConfig
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
+from rlserve.engine.worker import call as call_worker
+from rlserve.engine.worker import make_worker
 from rlserve.model.runner import LaunchedStep, ModelRunner, PositionLogprobsData
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION
 from rlserve.sampling_params import SamplingParams
@@ -74,6 +77,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(_eos_token_ids(self.runner.hf_config, config.model))
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weight_transfer = None  # created by init_weight_transfer_engine
+        self.worker = make_worker(self.runner, config.worker_extension_cls)
         self.weight_update_active = False
         self.asleep = False
         self._pause_before_sleep = PauseState.UNPAUSED
@@ -382,6 +386,14 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
         if weight_version is not None:
             self.weight_version = str(weight_version)
+
+    def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's collective_rpc: run `method` on every worker (rlserve has one) between steps; one result per
+        worker. What it changes behind the engine's back (weights, say) is its own affair: a method that writes
+        weights should be followed by reset_prefix_cache, as in vLLM."""
+        self._drain()
+        with self.runner.on_device():
+            return [call_worker(self.worker, method, tuple(args), dict(kwargs or {}))]
 
     def load_weights_direct(self, weights) -> int:
         """Write checkpoint-format tensors straight into the model (the trainer shares this process)."""

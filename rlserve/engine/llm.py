@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -146,6 +146,13 @@ class LLM:
 
     def load_weights(self, weights) -> int:
         return self.engine_core.load_weights_direct(weights)
+
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any]:
+        """vLLM's: a worker method's name (see `worker_extension_cls`) or a function called with the worker first;
+        one result per worker. `timeout` is accepted for vLLM's signature (the call runs in this thread)."""
+        return self.engine_core.collective_rpc(method, args, kwargs)
 
     def weight_checksums(self) -> dict[str, str]:
         return self.engine_core.checksums()

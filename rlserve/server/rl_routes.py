@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.core import PAUSE_MODES
+from rlserve.engine.worker import extension_methods
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -156,6 +157,22 @@ def build_rl_router(
     async def weight_version() -> dict[str, str]:
         return {"weight_version": await engine.get_weight_version()}
 
+    @router.post("/collective_rpc")
+    async def collective_rpc(request: Request) -> dict[str, list[Any]]:
+        # Only the methods of the server's --worker-extension-cls, never the worker's own attributes: the caller
+        # names code the operator installed, it cannot reach into the engine.
+        body = await _json_body(request, required=True)
+        method = _field(body, "method", str, required=True)
+        allowed = extension_methods(engine.engine_core.worker)
+        if method not in allowed:
+            message = f"method: {method!r} is not a method of the worker extension (callable: {sorted(allowed)})"
+            raise APIError(400, message, "method")
+        args = _field(body, "args", list) or []
+        kwargs = _field(body, "kwargs", dict) or {}
+        timeout = _field(body, "timeout", (int, float))
+        results = await _engine_call(engine.collective_rpc(method, timeout, tuple(args), kwargs), "method")
+        return {"results": [_jsonable(r) for r in results]}
+
     @router.get("/get_world_size")
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:
         return {"world_size": 1}  # one engine, one worker: no TP/PP/DP yet
@@ -196,3 +213,12 @@ def build_rl_router(
         raise APIError(400, f"action: must be checksum, compare or reset, got {action!r}", "action")
 
     return router
+
+
+def _jsonable(value: Any) -> Any:
+    """The value itself when JSON can carry it, else its str() (as vLLM's /collective_rpc does)."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return value

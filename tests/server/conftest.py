@@ -2,8 +2,8 @@
 
 Server starts cost seconds, so each is started once per session: `server` (RL API on, API key, the `nccl`
 weight-transfer backend for the live-update test) and, only for the tests that need them, `plain_server` (RL API
-off), `batch_invariant_server` and `replica_servers`. Every test that pauses resumes in `rl`'s teardown, so a failing
-test cannot leave the shared server paused.
+off), `batch_invariant_server`, `replica_servers` and `extension_server`. Every test that pauses resumes in `rl`'s
+teardown, so a failing test cannot leave the shared server paused.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, free_por
 from rlserve.rl.client import RLServeClient
 from rlserve.toy import make_model_dir
 
+TESTS_DIR = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0  # a loaded CI machine needs tens of seconds to import torch and build the engine
 STOP_TIMEOUT_S = 15.0
 
@@ -34,6 +35,8 @@ def _start(model_dir: Path, log: Path, *args: str, api_key: str | None) -> Serve
     if api_key is not None:
         cmd += ["--api-key", api_key]
     env = {k: v for k, v in os.environ.items() if k != "RLSERVE_API_KEY"}
+    # tests/ on the path: a server may load tests/worker_extension.py (--worker-extension-cls).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -107,6 +110,13 @@ def replica_servers(server_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     finally:
         for server in servers:
             _stop(server)
+
+
+@pytest.fixture(scope="session")
+def extension_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server-logs") / "extension.log"
+    args = ("--enable-rl-api", "--worker-extension-cls", "worker_extension:CheckpointLoader")
+    yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,77 @@
+"""vLLM's worker surface for user code: the methods of a `worker_extension_cls` and functions passed to
+`collective_rpc` run on the engine's worker and see it as vLLM code expects (`self.model_runner.model.load_weights`,
+`self.device`, `self.rank`), so weight-sync extensions written for vLLM (PipelineRL's, OpenRLHF's) run unchanged."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from rlserve.model.runner import ModelRunner
+
+
+class Worker:
+    """rlserve runs one worker per engine, in the engine's own process: its tensor, pipeline and data-parallel ranks
+    are all 0."""
+
+    rank = 0
+    local_rank = 0
+    model_runner: ModelRunner
+    device: torch.device
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.model_runner = runner
+        self.device = runner.device
+
+
+def import_class(path: str) -> type:
+    """A class from "package.module:Class" or "package.module.Class"."""
+    module_path, sep, name = path.partition(":")
+    if not sep:
+        module_path, _, name = path.rpartition(".")
+    if not module_path or not name:
+        raise ValueError(f"worker_extension_cls: expected 'package.module:Class', got {path!r}")
+    try:
+        cls = getattr(importlib.import_module(module_path), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_extension_cls: cannot import {path!r}: {e}") from e
+    if not isinstance(cls, type):
+        raise ValueError(f"worker_extension_cls: {path!r} is not a class")
+    return cls
+
+
+def make_worker(runner: ModelRunner, extension_cls: str | None) -> Worker:
+    """The engine's worker, with the extension's methods mixed in (as vLLM does; a name both define is an error)."""
+    if extension_cls is None:
+        return Worker(runner)
+    extension = import_class(extension_cls)
+    worker_names = set(vars(Worker)) | set(Worker.__annotations__)
+    clashes = sorted(n for n in vars(extension) if not n.startswith("__") and n in worker_names)
+    if clashes:
+        raise ValueError(f"worker_extension_cls: {extension.__name__} redefines worker attributes {clashes}")
+    cls = type(f"WorkerWith{extension.__name__}", (Worker, extension), {})
+    return cls(runner)
+
+
+def extension_methods(worker: Worker) -> set[str]:
+    """The public methods a worker's extension defines: what `/collective_rpc` may call over HTTP."""
+    names: set[str] = set()
+    for base in type(worker).__mro__:
+        if base in (Worker, object) or base is type(worker):
+            continue
+        names |= {n for n, v in vars(base).items() if callable(v) and not n.startswith("_")}
+    return names
+
+
+def call(worker: Worker, method: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Run `method` (a worker method's name, or a function taking the worker first) on the worker."""
+    if isinstance(method, str):
+        fn = getattr(worker, method, None)
+        if not callable(fn):
+            raise ValueError(f"method: the worker has no method {method!r}")
+        return fn(*args, **kwargs)
+    if not callable(method):
+        raise ValueError(f"method: expected a method name or a callable, got {type(method).__name__}")
+    return method(worker, *args, **kwargs)

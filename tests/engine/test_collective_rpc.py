@@ -1,0 +1,68 @@
+"""vLLM's worker_extension_cls and collective_rpc: extension methods see the engine's worker as vLLM code expects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlserve import LLM, SamplingParams
+from rlserve.engine.async_llm import AsyncLLM
+
+EXTENSION = "worker_extension:CheckpointLoader"  # tests/worker_extension.py
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (4, 21)]
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_an_extension_method_loads_weights_like_vllm_code(qwen3_dir, qwen3_alt_dir, make_llm) -> None:
+    llm = make_llm(qwen3_dir, worker_extension_cls=EXTENSION)
+    expected = tokens(make_llm(qwen3_alt_dir))
+    assert tokens(llm) != expected
+    (count,) = llm.collective_rpc("load_checkpoint", args=(str(qwen3_alt_dir / "model.safetensors"),))
+    assert count > 0
+    llm.reset_prefix_cache()  # the extension wrote weights behind the engine's back, as in vLLM
+    assert tokens(llm) == expected
+    assert llm.collective_rpc("describe") == [{"rank": 0, "local_rank": 0, "device": "cpu"}]
+    # A function runs with the worker as its first argument.
+    assert llm.collective_rpc(lambda worker, k: worker.model_runner.model.spec.num_layers * k, args=(2,)) == [
+        2 * llm.engine_core.runner.spec.num_layers
+    ]
+
+
+def test_collective_rpc_errors(qwen3_dir, make_llm) -> None:
+    llm = make_llm(qwen3_dir, worker_extension_cls=EXTENSION)
+    with pytest.raises(ValueError, match="no method 'nope'"):
+        llm.collective_rpc("nope")
+    with pytest.raises(ValueError, match="the extension refused"):
+        llm.collective_rpc("fail")
+    with pytest.raises(ValueError, match="redefines worker attributes \\['device'\\]"):
+        make_llm(qwen3_dir, worker_extension_cls="worker_extension:ClashingExtension")
+    with pytest.raises(ValueError, match="cannot import"):
+        make_llm(qwen3_dir, worker_extension_cls="worker_extension:Missing")
+    # Without an extension the worker is still there for functions.
+    assert make_llm(qwen3_dir).collective_rpc(lambda w: w.rank) == [0]
+
+
+def test_async_collective_rpc_runs_between_steps(qwen3_dir) -> None:
+    engine = AsyncLLM(str(qwen3_dir), num_kv_blocks=256, worker_extension_cls=EXTENSION)
+
+    async def go():
+        async def consume():
+            async for out in engine.generate(PROMPTS[1], GREEDY):
+                last = out
+            return last
+
+        running = asyncio.create_task(consume())
+        described = await engine.collective_rpc("describe", timeout=30)
+        return described, await running
+
+    try:
+        described, out = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    assert described == [{"rank": 0, "local_rank": 0, "device": "cpu"}]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens

@@ -1,0 +1,25 @@
+"""A worker extension as vLLM RL frameworks write them (PipelineRL's and OpenRLHF's have this shape), for the tests
+of `worker_extension_cls` and `collective_rpc`: its methods run on the engine's worker, `self` being that worker."""
+
+from __future__ import annotations
+
+from safetensors.torch import load_file
+
+
+class CheckpointLoader:
+    def load_checkpoint(self, path: str) -> int:
+        """Write a safetensors checkpoint into the live model through vLLM's worker surface."""
+        weights = load_file(path, device=str(self.device))
+        self.model_runner.model.load_weights(weights.items())
+        return len(weights)
+
+    def describe(self) -> dict:
+        return {"rank": self.rank, "local_rank": self.local_rank, "device": str(self.device)}
+
+    def fail(self) -> None:
+        raise ValueError("value: the extension refused")
+
+
+class ClashingExtension:
+    def device(self) -> None:  # the worker's own attribute
+        pass
