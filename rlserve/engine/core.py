@@ -79,6 +79,9 @@ class EngineCore:
         self.weight_transfer = None  # created by init_weight_transfer_engine
         self.worker = make_worker(self.runner, config.worker_extension_cls)
         self.weight_update_active = False
+        # Names of a failed update_weights: they may be partly written (the model is then neither the old weights
+        # nor the new), so finish_weight_update and resume refuse until updates rewrite every one of them.
+        self.unwritten_weights: set[str] = set()
         self.asleep = False
         self._pause_before_sleep = PauseState.UNPAUSED
         self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
@@ -278,7 +281,16 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def resume(self) -> None:
+        self._refuse_partial_weights("resume")
         self._set_pause_state(PauseState.UNPAUSED)
+
+    def _refuse_partial_weights(self, operation: str) -> None:
+        if self.unwritten_weights:
+            example = sorted(self.unwritten_weights)[0]
+            raise RuntimeError(
+                f"{operation}: an update_weights call failed during its transfer, so {len(self.unwritten_weights)} "
+                f"tensors (e.g. {example!r}) may be partly written; send them again with update_weights first"
+            )
 
     def is_paused(self) -> bool:
         state = self._pause_before_sleep if self.asleep else self.scheduler.pause_state
@@ -373,14 +385,20 @@ class EngineCore:
                 # The trainer may already be sending: take its bytes and drop them so it does not hang.
                 transfer.discard_weights(info)
                 raise
-            transfer.receive_weights(info, self.runner.load_weights)
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)
+            try:
+                transfer.receive_weights(info, self.runner.load_weights)
+                if self.runner.device.type == "cuda":
+                    torch.cuda.synchronize(self.runner.device)
+            except Exception:
+                self.unwritten_weights.update(info.names)
+                raise
+        self.unwritten_weights.difference_update(info.names)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._drain()
         if not self.weight_update_active:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        self._refuse_partial_weights("finish_weight_update")
         self.weight_update_active = False
         # KV computed under the old weights must not be served to requests that start from now on.
         self.kv_cache.reset_prefix_cache()
