@@ -176,3 +176,23 @@ def test_exact_trainer_logprobs_have_the_engine_values_and_regular_gradients(qwe
     assert exact_grad.abs().sum() > 0 and torch.equal(exact_grad, model.lm_head.weight.grad)
     # The regular forward alone is close to the engine but not bit-equal: what the straight-through buys.
     assert any(e != r.tolist() for (_, e), r in zip(results, regular, strict=True))
+
+
+def test_top_k_top_p_logprobs_equal_the_trainer_forward_too(make_llm, generate, model_dirs) -> None:
+    model_dir = model_dirs["qwen3"]
+    llm = make(make_llm, model_dir)
+    prompts = [TARGET, *OTHERS[:4]]
+    sampling = [
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.8, seed=s, max_tokens=16, logprobs=0, ignore_eos=True)
+        for s in range(len(prompts))
+    ]
+    outputs = generate(llm, [{"prompt_token_ids": p} for p in prompts], sampling)
+    alone = generate(llm, [{"prompt_token_ids": prompts[2]}], [sampling[2]])[0].outputs[0]
+    assert alone.token_ids == outputs[2].outputs[0].token_ids and token_logprobs(alone) == token_logprobs(
+        outputs[2].outputs[0]
+    )
+    trainer = load_training_model(model_dir, batch_invariant=True)
+    completions = [list(o.outputs[0].token_ids) for o in outputs]
+    mine = trainer_logprobs(trainer, prompts, completions, temperature=0.9, top_k=20, top_p=0.8, processed=True)
+    for out, values in zip(outputs, mine, strict=True):
+        assert token_logprobs(out.outputs[0]) == values.tolist()
