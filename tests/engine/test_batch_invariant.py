@@ -196,3 +196,24 @@ def test_top_k_top_p_logprobs_equal_the_trainer_forward_too(make_llm, generate, 
     mine = trainer_logprobs(trainer, prompts, completions, temperature=0.9, top_k=20, top_p=0.8, processed=True)
     for out, values in zip(outputs, mine, strict=True):
         assert token_logprobs(out.outputs[0]) == values.tolist()
+
+
+def test_prompt_logprobs_do_not_depend_on_the_batch_or_chunking(make_llm, generate, model_dirs) -> None:
+    """Prompt logprobs (raw, at every prompt position) of a request alone, in a batch, and chunked: the same bits,
+    equal to the trainer forward's log_softmax over the prompt."""
+    model_dir = model_dirs["qwen3"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+
+    def prompt_values(outputs, i) -> list[float]:
+        out = outputs[i]
+        return [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], TARGET[1:], strict=True)]
+
+    llm = make_llm(model_dir, batch_invariant=True)
+    alone = prompt_values(generate(llm, [{"prompt_token_ids": TARGET}], params), 0)
+    batch = [{"prompt_token_ids": p} for p in [*OTHERS[:3], TARGET]]
+    assert prompt_values(generate(llm, batch, params), 3) == alone
+    chunked_llm = make_llm(model_dir, batch_invariant=True, max_num_batched_tokens=8)
+    assert prompt_values(generate(chunked_llm, batch, params), 3) == alone
+    trainer = load_training_model(model_dir, batch_invariant=True)
+    (mine,) = trainer_logprobs(trainer, [TARGET[:1]], [TARGET[1:]])
+    assert mine.tolist() == alone
