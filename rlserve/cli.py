@@ -73,7 +73,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         lm_head_dtype=args.lm_head_dtype,
         enforce_eager=args.enforce_eager,
         async_scheduling=not args.no_async_scheduling,
-        batch_invariant=args.batch_invariant,
+        # Only when asked: otherwise the default applies, or vLLM's VLLM_BATCH_INVARIANT=1 (see make_engine_config).
+        **({"batch_invariant": True} if args.batch_invariant else {}),
         worker_extension_cls=args.worker_extension_cls,
         weight_transfer_config=WeightTransferConfig(**wt) if wt else None,
     )

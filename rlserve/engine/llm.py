@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any
@@ -23,6 +24,9 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
 def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     known = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(kwargs) - known)
@@ -31,6 +35,9 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     wt = kwargs.get("weight_transfer_config")
     if isinstance(wt, dict):
         kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
+    # vLLM turns batch invariance on by environment; scripts written for it set this before building the engine.
+    if "batch_invariant" not in kwargs and os.environ.get(VLLM_BATCH_INVARIANT_ENV) == "1":
+        kwargs["batch_invariant"] = True
     return EngineConfig(model=model, **kwargs)
 
 

@@ -87,7 +87,7 @@ def test_cli_flag_reaches_the_engine_config() -> None:
 
     args = build_parser().parse_args(["serve", "model-dir", "--batch-invariant"])
     assert engine_kwargs(args)["batch_invariant"] is True
-    assert engine_kwargs(build_parser().parse_args(["serve", "model-dir"]))["batch_invariant"] is False
+    assert "batch_invariant" not in engine_kwargs(build_parser().parse_args(["serve", "model-dir"]))
 
 
 def test_continuation_after_a_live_update_equals_a_fresh_engine_on_the_new_weights(
@@ -217,3 +217,12 @@ def test_prompt_logprobs_do_not_depend_on_the_batch_or_chunking(make_llm, genera
     trainer = load_training_model(model_dir, batch_invariant=True)
     (mine,) = trainer_logprobs(trainer, [TARGET[:1]], [TARGET[1:]])
     assert mine.tolist() == alone
+
+
+def test_vllm_environment_switch_turns_it_on(monkeypatch) -> None:
+    from rlserve.engine.llm import make_engine_config
+
+    assert not make_engine_config("m").batch_invariant
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert make_engine_config("m").batch_invariant
+    assert not make_engine_config("m", batch_invariant=False).batch_invariant  # an explicit argument wins
