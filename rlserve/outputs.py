@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 DEFAULT_WEIGHT_VERSION = "default"
 
 
-@dataclass
+@dataclass(slots=True)  # one per returned token: a final-only RL batch builds hundreds of thousands
 class Logprob:
     logprob: float
     rank: int | None = None

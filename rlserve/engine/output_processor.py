@@ -96,6 +96,8 @@ class OutputProcessor:
 
     def _position_logprobs(self, data: PositionLogprobsData, token_id: int) -> PositionLogprobs:
         ids, values, token_value, token_rank = data
+        if not ids:  # only the chosen token's logprob (logprobs=0, RL's usual ask): one entry, built directly
+            return {token_id: Logprob(token_value, token_rank, self.token_text(token_id))}
         entry = {
             tid: Logprob(v, rank + 1, self.token_text(tid))
             for rank, (tid, v) in enumerate(zip(ids, values, strict=True))
@@ -143,13 +145,17 @@ class OutputProcessor:
 
     def _add_tokens(self, sample: _Sample, out: EngineCoreOutput) -> None:
         params = sample.params
-        for token_id, data in zip(out.new_token_ids, out.new_logprobs, strict=True):
-            sample.token_ids.append(token_id)
-            sample.weight_versions.append(out.weight_version)
-            if sample.logprobs is not None and data is not None:
-                entry = self._position_logprobs(data, token_id)
-                sample.logprobs.append(entry)
-                sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entry[token_id].logprob
+        # Whole lists at a time: a final-only output carries every token of its sample at once.
+        sample.token_ids.extend(out.new_token_ids)
+        sample.weight_versions.extend([out.weight_version] * len(out.new_token_ids))
+        if sample.logprobs is not None:
+            cumulative = sample.cumulative_logprob or 0.0
+            for token_id, data in zip(out.new_token_ids, out.new_logprobs, strict=True):
+                if data is not None:
+                    entry = self._position_logprobs(data, token_id)
+                    sample.logprobs.append(entry)
+                    cumulative += entry[token_id].logprob
+                    sample.cumulative_logprob = cumulative
         if sample.detokenizer is None or not out.new_token_ids:
             return
         new_ids = (
