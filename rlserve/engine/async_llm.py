@@ -74,11 +74,15 @@ class AsyncLLM:
                     outputs = core.abort_requests(list(core.requests))
                 self._deliver(outputs)
             if self._wait_pauses and core.num_in_flight == 0:
-                pauses, self._wait_pauses = self._wait_pauses, []
-                if any(clear for _, clear in pauses):
-                    core.clear_cache()
-                for resolve, _ in pauses:
-                    resolve()
+                self._end_wait_pauses(clear_cache=True)
+
+    def _end_wait_pauses(self, clear_cache: bool) -> None:
+        """Return every pending pause(mode="wait"); clear the cache first if one asked and `clear_cache` allows."""
+        pauses, self._wait_pauses = self._wait_pauses, []
+        if clear_cache and any(clear for _, clear in pauses):
+            self.engine_core.clear_cache()
+        for resolve, _ in pauses:
+            resolve()
 
     def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs and self._loop is not None:
@@ -202,9 +206,7 @@ class AsyncLLM:
             core.resume()
             # A pause(mode="wait") still waiting for its requests is over: it returns now rather than when the
             # traffic admitted after this resume happens to drain, which under steady load is never.
-            pauses, self._wait_pauses = self._wait_pauses, []
-            for resolve, _ in pauses:
-                resolve()
+            self._end_wait_pauses(clear_cache=False)
 
         await self._call(resume)
 

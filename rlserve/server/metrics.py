@@ -68,6 +68,24 @@ class _EngineCollector:
 RL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class _Interval:
+    """Time from the first `begin` to the `end` that closes it, into a histogram. Repeated begins (an idempotent
+    pause) keep the first; an end without a begin records nothing."""
+
+    def __init__(self, histogram) -> None:
+        self.histogram = histogram
+        self.since: float | None = None
+
+    def begin(self) -> None:
+        if self.since is None:
+            self.since = time.perf_counter()
+
+    def end(self) -> None:
+        if self.since is not None:
+            self.histogram.observe(time.perf_counter() - self.since)
+            self.since = None
+
+
 class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -85,22 +103,17 @@ class ServerMetrics:
             buckets=RL_BUCKETS,
             registry=self.registry,
         )
-        self._weight_update = Histogram(
-            "rlserve_weight_update_seconds",
-            "start_weight_update to finish_weight_update, per finished weight update.",
-            ["model_name"],
-            buckets=RL_BUCKETS,
-            registry=self.registry,
+
+        def interval(name: str, documentation: str) -> _Interval:
+            histogram = Histogram(name, documentation, ["model_name"], buckets=RL_BUCKETS, registry=self.registry)
+            return _Interval(histogram.labels(model_name))
+
+        self._weight_update = interval(
+            "rlserve_weight_update_seconds", "start_weight_update to finish_weight_update, per finished weight update."
         )
-        self._paused = Histogram(
-            "rlserve_pause_seconds",
-            "How long generation stood still: a pause to the resume that ended it.",
-            ["model_name"],
-            buckets=RL_BUCKETS,
-            registry=self.registry,
+        self._paused = interval(
+            "rlserve_pause_seconds", "How long generation stood still: a pause to the resume that ended it."
         )
-        self._update_started: float | None = None
-        self._paused_since: float | None = None
         self.model_name = model_name
 
     def count_finished(self, finish_reason: str) -> None:
@@ -110,21 +123,16 @@ class ServerMetrics:
         self._rl_call.labels(self.model_name, route).observe(seconds)
 
     def weight_update_started(self) -> None:
-        self._update_started = time.perf_counter()
+        self._weight_update.begin()
 
     def weight_update_finished(self) -> None:
-        if self._update_started is not None:
-            self._weight_update.labels(self.model_name).observe(time.perf_counter() - self._update_started)
-            self._update_started = None
+        self._weight_update.end()
 
     def generation_paused(self) -> None:
-        if self._paused_since is None:  # pause is idempotent: the first one starts the standstill
-            self._paused_since = time.perf_counter()
+        self._paused.begin()
 
     def generation_resumed(self) -> None:
-        if self._paused_since is not None:
-            self._paused.labels(self.model_name).observe(time.perf_counter() - self._paused_since)
-            self._paused_since = None
+        self._paused.end()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
