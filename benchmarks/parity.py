@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from rlserve.dtypes import TORCH_DTYPES
 from rlserve.rl.parity import (
     HEAD_SCALES,
     SCENARIOS,
@@ -82,7 +83,7 @@ def main() -> int:
     print(f"{device_name}  torch {torch.__version__}  commit {_commit()}", flush=True)
     t0 = time.perf_counter()
     model_dir = make_peaked_model_dir(
-        Path(tempfile.mkdtemp(prefix="rlserve-w6-")) / args.preset, args.preset, head_scale, _dtype(args.dtype)
+        Path(tempfile.mkdtemp(prefix="rlserve-w6-")) / args.preset, args.preset, head_scale, TORCH_DTYPES[args.dtype]
     )
     prompts = random_prompts(model_dir, args.num_prompts, args.prompt_len, seed=0)
     # Eight prompts are enough to characterise the distribution; the full batch would only cost time.
@@ -127,10 +128,6 @@ def main() -> int:
         )
         Path(args.out).write_text(json.dumps(record, indent=1))
     return 0
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 if __name__ == "__main__":

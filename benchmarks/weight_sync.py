@@ -37,13 +37,13 @@ from typing import Any
 import torch
 
 from rlserve.config import WeightTransferConfig
+from rlserve.dtypes import dtype_name
 from rlserve.weight_transfer import (
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
 )
-from rlserve.weight_transfer.base import dtype_name
 
 MIB = 1 << 20
 TIMEOUT_S = 600.0

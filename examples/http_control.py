@@ -23,10 +23,10 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
+from rlserve.dtypes import dtype_name
 from rlserve.rl.client import RLServeClient
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
-from rlserve.weight_transfer.base import dtype_name
 
 
 def free_port() -> int:

@@ -7,7 +7,8 @@ from typing import Literal
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", *MODEL_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 DEFAULT_WEIGHT_VERSION = "default"
 
@@ -12,6 +13,15 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class PositionLogprobsData(NamedTuple):
+    """The engine's compact form of one position's logprobs, before the front end names the tokens."""
+
+    topk_ids: list[int]
+    topk_values: list[float]
+    token_value: float  # the sampled (or, for prompt logprobs, the actual) token's value
+    token_rank: int
 
 
 # One dict per position: token id -> Logprob (top-k plus the sampled or actual token).

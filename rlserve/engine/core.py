@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from rlserve.config import EngineConfig
+from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
-from rlserve.engine.worker import call as call_worker
-from rlserve.engine.worker import make_worker
-from rlserve.model.runner import LaunchedStep, ModelRunner, PositionLogprobsData
-from rlserve.outputs import DEFAULT_WEIGHT_VERSION
+from rlserve.engine.worker.extension import call as call_worker
+from rlserve.engine.worker.extension import make_worker
+from rlserve.engine.worker.model_runner import LaunchedStep, ModelRunner
+from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -379,7 +380,8 @@ class EngineCore:
         with self.runner.on_device():
             try:
                 self.runner.model.check_weights(
-                    (n, tuple(s), _dtype(d)) for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
+                    (n, tuple(s), dtype_from_name(d))
+                    for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
                 )
             except ValueError:
                 # The trainer may already be sending: take its bytes and drop them so it does not hang.
@@ -432,13 +434,6 @@ class EngineCore:
         if self.weight_transfer is not None:
             self.weight_transfer.shutdown()
             self.weight_transfer = None
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype_names: {name!r} is not a torch dtype")
-    return dtype
 
 
 def _eos_token_ids(hf_config, model_dir: str) -> set[int]:

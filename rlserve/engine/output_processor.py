@@ -8,8 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlserve.engine.core import EngineCoreOutput
 from rlserve.engine.detokenizer import Detokenizer, find_stop_string, make_detokenizer
-from rlserve.model.runner import PositionLogprobsData
-from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, PositionLogprobsData, RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 

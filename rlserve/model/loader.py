@@ -10,10 +10,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from rlserve.dtypes import TORCH_DTYPES
 from rlserve.model.layers import RotaryEmbedding
 from rlserve.model.models import SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:
@@ -31,10 +30,10 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
 
 def resolve_dtype(dtype: str, cfg: PretrainedConfig) -> torch.dtype:
     if dtype != "auto":
-        return _DTYPES[dtype]
+        return TORCH_DTYPES[dtype]
     configured = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
     if isinstance(configured, str):
-        configured = _DTYPES.get(configured, torch.float32)
+        configured = TORCH_DTYPES.get(configured, torch.float32)
     return configured
 
 

@@ -38,6 +38,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from rlserve.dtypes import dtype_name
 from rlserve.rl.client import AsyncRLServeClient
 from rlserve.rl.grpo import GRPOConfig, Policy, Rollout, TokenBatch, TrainStats, group_advantages, supervised_warmup
 from rlserve.rl.tasks import AdditionTask, Problem
@@ -49,7 +50,6 @@ from rlserve.weight_transfer import (
     NCCLWeightTransferEngine,
     WeightTransferGroup,
 )
-from rlserve.weight_transfer.base import dtype_name
 
 # Exit status when the run completed but the reward did not rise by the margin (1 is left to crashes, 2 to argparse).
 EXIT_NO_IMPROVEMENT = 3

@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rlserve.dtypes import TORCH_DTYPES
 from rlserve.engine.llm import LLM, load_tokenizer
 from rlserve.model.loader import checkpoint_files, iterate_checkpoint
 from rlserve.model.models.llama import DecoderForCausalLM
@@ -53,7 +54,6 @@ RATIO_BAND = (0.9, 1.1)
 # probabilities of 0.3-0.5: about as peaked as a trained model's.
 HEAD_SCALES = {"tiny": 16.0, "small": 16.0, "qwen3-0.6b-shape": 8.0}
 GREEDY_TEMPERATURE = 1e-5  # SamplingParams.greedy: below it the engine takes the argmax and reports raw values
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 LogprobsLike = torch.Tensor | Sequence[torch.Tensor | Sequence[float]]
@@ -408,8 +408,10 @@ def run_parity(
     unknown = scenarios - set(SCENARIOS)
     if unknown:
         raise ValueError(f"unknown scenario(s) {sorted(unknown)}; known: {list(SCENARIOS)}")
-    if dtype not in _DTYPES or trainer_dtype not in _DTYPES:
-        raise ValueError(f"dtype and trainer_dtype must be one of {list(_DTYPES)}, got {dtype!r}, {trainer_dtype!r}")
+    if dtype not in TORCH_DTYPES or trainer_dtype not in TORCH_DTYPES:
+        raise ValueError(
+            f"dtype and trainer_dtype must be one of {list(TORCH_DTYPES)}, got {dtype!r}, {trainer_dtype!r}"
+        )
     prompts = [list(p) for p in prompts]
     if not prompts:
         raise ValueError("prompts: expected at least one prompt")
@@ -424,7 +426,7 @@ def run_parity(
     blocks = sum(-(-(len(p) + max_tokens) // block_size) for p in shared)
     max_len = max(len(p) for p in shared) + max_tokens
     engines = EngineSetup(model_dir, device, 2 * blocks, min(len(prompts), 256), max_len, engine_kwargs)
-    reference = load_trainer(model_dir, trainer, _DTYPES[trainer_dtype], device)
+    reference = load_trainer(model_dir, trainer, TORCH_DTYPES[trainer_dtype], device)
 
     def score(rollouts: Rollouts, trainer_model: nn.Module | None = None) -> ParityStats:
         with torch.inference_mode():
@@ -479,7 +481,7 @@ def run_parity(
             results[f"prefix_cache/{name}"] = score(rounds[name])
     if "batch_invariant" in scenarios:
         rollouts = engines.run(sample_once, dtype=dtype, logprobs_mode="processed_logprobs", batch_invariant=True)
-        own = load_training_model(model_dir, _DTYPES[dtype], device, batch_invariant=True)
+        own = load_training_model(model_dir, TORCH_DTYPES[dtype], device, batch_invariant=True)
         results["batch_invariant"] = score(rollouts, own)
     return results
 
@@ -569,9 +571,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "--head-scale", type=float, default=HEAD_SCALES["small"], help="logit scale of the model built without --model"
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="float32", choices=list(_DTYPES), help="engine dtype")
+    p.add_argument("--dtype", default="float32", choices=list(TORCH_DTYPES), help="engine dtype")
     p.add_argument("--trainer", default="hf", choices=["hf", "rlserve"], help="transformers or rlserve's model")
-    p.add_argument("--trainer-dtype", default="float32", choices=list(_DTYPES))
+    p.add_argument("--trainer-dtype", default="float32", choices=list(TORCH_DTYPES))
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.core import PAUSE_MODES
-from rlserve.engine.worker import extension_methods
+from rlserve.engine.worker.extension import extension_methods
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError
 from rlserve.weight_transfer.checksum import compare_checksums

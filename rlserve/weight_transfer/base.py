@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from rlserve.config import WeightTransferConfig
+from rlserve.dtypes import dtype_from_name
 
 LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Loads `(checkpoint_name, tensor)` pairs into the model. It copies out of the tensors, so a backend may reuse its
@@ -40,19 +41,6 @@ class WeightTransferUpdateRequest:
 @dataclass
 class WeightTransferInitInfo:
     """Base of the backend-specific init infos (sent once, at the handshake)."""
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """`"bfloat16"` -> `torch.bfloat16`; anything that is not a torch dtype attribute is a ValueError."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16` -> `"bfloat16"`, the form `update_info["dtype_names"]` carries."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rlserve.weight_transfer.base import dtype_name
+from rlserve.dtypes import dtype_name
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:

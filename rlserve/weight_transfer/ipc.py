@@ -25,13 +25,12 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from rlserve.config import WeightTransferConfig
+from rlserve.dtypes import dtype_from_name, dtype_name
 from rlserve.weight_transfer.base import (
     LoadWeightsFn,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    dtype_from_name,
-    dtype_name,
 )
 from rlserve.weight_transfer.packed import as_bytes, tensor_metas, unpack_tensors
 

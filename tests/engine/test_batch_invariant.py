@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlserve import SamplingParams, WeightTransferConfig
+from rlserve.dtypes import dtype_name
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.rl.parity import exact_trainer_logprobs, trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
-from rlserve.weight_transfer.base import dtype_name
 
 TEMPERATURE = 0.7
 TARGET = list(range(30, 57))  # 27 tokens: one full block of 16 and a partial one

@@ -9,6 +9,7 @@ import pytest
 from safetensors.torch import load_file
 from server_helpers import API_KEY, MODEL_NAME, Server, free_port
 
+from rlserve.dtypes import dtype_name
 from rlserve.rl.client import AsyncRLServeGroup
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import (
@@ -17,7 +18,6 @@ from rlserve.weight_transfer import (
     compare_checksums,
     weight_checksums,
 )
-from rlserve.weight_transfer.base import dtype_name
 
 
 def test_one_broadcast_updates_every_replica(replica_servers: list[Server], tmp_path) -> None:

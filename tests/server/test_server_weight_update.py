@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, Stream, free_port, read_stream
 
 from rlserve import LLM, SamplingParams
+from rlserve.dtypes import dtype_name
 from rlserve.rl.client import AsyncRLServeClient, RLServeClient
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import (
@@ -27,7 +28,6 @@ from rlserve.weight_transfer import (
     compare_checksums,
     weight_checksums,
 )
-from rlserve.weight_transfer.base import dtype_name
 
 RENDEZVOUS_TIMEOUT_S = 60.0
 MAX_TOKENS = 150

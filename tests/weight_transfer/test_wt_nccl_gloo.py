@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rlserve.config import WeightTransferConfig
+from rlserve.dtypes import dtype_name
 from rlserve.weight_transfer import (
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
@@ -24,7 +25,6 @@ from rlserve.weight_transfer import (
     plan_buckets,
     weight_checksums,
 )
-from rlserve.weight_transfer.base import dtype_name
 
 TIMEOUT_S = 60.0
 BUFFER_BYTES = 2000  # the model below then packs into several buckets, one of them an oversized tensor alone

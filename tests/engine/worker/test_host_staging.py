@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlserve.model.host_staging import HostStaging
+from rlserve.engine.worker.host_staging import HostStaging
 
 
 def _staging(nbytes: int = 4096) -> HostStaging:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rlserve.model.runner import ModelRunner
+from rlserve.engine.worker.model_runner import ModelRunner
 
 
 class Worker:

@@ -11,18 +11,16 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.engine.request import PLACEHOLDER
 from rlserve.engine.scheduler import ScheduledRequest
+from rlserve.engine.worker.block_table import BlockTableBuffer
+from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
+from rlserve.engine.worker.host_staging import HostStaging
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
-from rlserve.model.block_table import BlockTableBuffer
-from rlserve.model.cuda_graph import DecodeCUDAGraphs
-from rlserve.model.host_staging import HostStaging
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
+from rlserve.outputs import PositionLogprobsData
 
 logger = logging.getLogger(__name__)
-
-# Host form of one position's logprobs: (top-k ids, top-k values, chosen token's value, chosen token's rank).
-PositionLogprobsData = tuple[list[int], list[float], float, int]
 
 
 @dataclass
@@ -51,9 +49,8 @@ class LaunchedStep:
 
 
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
-    return list(
-        zip(t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist(), strict=True)
-    )
+    columns = t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist()
+    return list(map(PositionLogprobsData._make, zip(*columns, strict=True)))
 
 
 class ModelRunner:
@@ -238,14 +235,16 @@ class ModelRunner:
             for i, row in zip(step.sample_rows, _to_host(step.host_logprobs), strict=True):
                 k = step.scheduled[i].request.sampling_params.logprobs
                 if k is not None:
-                    logprobs[i] = (row[0][:k], row[1][:k], row[2], row[3])
+                    logprobs[i] = row._replace(topk_ids=row.topk_ids[:k], topk_values=row.topk_values[:k])
         prompt_logprobs: dict[int, list[PositionLogprobsData]] = {}
         if step.host_prompt_logprobs is not None:
             host = _to_host(step.host_prompt_logprobs)
             offset = 0
             for i, _, count in step.prompt_rows:
                 kk = step.scheduled[i].request.sampling_params.prompt_logprobs
-                prompt_logprobs[i] = [(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]]
+                prompt_logprobs[i] = [
+                    PositionLogprobsData(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]
+                ]
                 offset += count
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
