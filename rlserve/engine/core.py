@@ -191,22 +191,17 @@ class EngineCore:
             start = step.starts[i]
             # A request preempted since the launch has no KV left to share (num_computed_tokens is 0).
             self.kv_cache.commit_full_blocks(request, min(start + item.num_new_tokens, request.num_computed_tokens))
+            prompt_logprobs = _unsent_prompt_logprobs(request, start, result.prompt_logprobs.get(i))
             token = result.sampled_token_ids[i]
-            prompt_logprobs = result.prompt_logprobs.get(i)
-            if prompt_logprobs is not None:  # the chunk's first row is prompt position `start`
-                prompt_logprobs = prompt_logprobs[max(0, request.num_prompt_logprobs_emitted - start) :]
-                request.num_prompt_logprobs_emitted += len(prompt_logprobs)
-            if token is None and not prompt_logprobs:
+            if token is None:
+                if prompt_logprobs:
+                    self._emit(outputs, request, [], [], prompt_logprobs, step.weight_version)
                 continue
-            new_tokens = []
-            if token is not None:
-                new_tokens = [token]
-                self.num_generated_tokens += 1
-                status = request.resolve_placeholder(token)
-                if status is not None:
-                    self._finish(request, status)
-            logprobs = [result.logprobs[i]] if new_tokens else []
-            self._emit(outputs, request, new_tokens, logprobs, prompt_logprobs, step.weight_version)
+            self.num_generated_tokens += 1
+            status = request.resolve_placeholder(token)
+            if status is not None:
+                self._finish(request, status)
+            self._emit(outputs, request, [token], [result.logprobs[i]], prompt_logprobs, step.weight_version)
         return outputs
 
     def _emit(self, outputs, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str) -> None:
@@ -214,17 +209,14 @@ class EngineCore:
         (an output object per request per step is most of the host's work at large batches). Held tokens go out
         with the finishing output, or first on their own when the weight version changes (one version per output)."""
         if request.held_token_ids and request.held_weight_version != weight_version:
-            held = request.held_token_ids, request.held_logprobs
-            outputs.append(self._output(request, *held, None, request.held_weight_version, last=False))
-            request.held_token_ids, request.held_logprobs = [], []
+            version = request.held_weight_version
+            outputs.append(self._output(request, *request.take_held(), None, version, last=False))
         if request.holds_outputs and not request.status.finished and not prompt_logprobs:
-            request.held_token_ids += new_tokens
-            request.held_logprobs += new_logprobs
-            request.held_weight_version = weight_version
+            request.hold(new_tokens, new_logprobs, weight_version)
             return
         if request.held_token_ids:
-            new_tokens, new_logprobs = request.held_token_ids + new_tokens, request.held_logprobs + new_logprobs
-            request.held_token_ids, request.held_logprobs = [], []
+            held_tokens, held_logprobs = request.take_held()
+            new_tokens, new_logprobs = held_tokens + new_tokens, held_logprobs + new_logprobs
         outputs.append(self._output(request, new_tokens, new_logprobs, prompt_logprobs, weight_version))
 
     def _drain(self) -> None:
@@ -434,6 +426,18 @@ class EngineCore:
         if self.weight_transfer is not None:
             self.weight_transfer.shutdown()
             self.weight_transfer = None
+
+
+def _unsent_prompt_logprobs(
+    request: Request, start: int, computed: list[PositionLogprobsData] | None
+) -> list[PositionLogprobsData] | None:
+    """The part of a prefill chunk's prompt logprobs (its first row is prompt position `start`) not sent before: a
+    request preempted after its prompt was computed recomputes it, and must not send those positions twice."""
+    if computed is None:
+        return None
+    unsent = computed[max(0, request.num_prompt_logprobs_emitted - start) :]
+    request.num_prompt_logprobs_emitted += len(unsent)
+    return unsent
 
 
 def _eos_token_ids(hf_config, model_dir: str) -> set[int]:

@@ -97,6 +97,17 @@ class Request:
             self.num_placeholders = 0
         return status
 
+    def hold(self, token_ids: list[int], logprobs: list, weight_version: str) -> None:
+        """Keep tokens back for a caller that wants only the final output."""
+        self.held_token_ids += token_ids
+        self.held_logprobs += logprobs
+        self.held_weight_version = weight_version
+
+    def take_held(self) -> tuple[list[int], list]:
+        held = self.held_token_ids, self.held_logprobs
+        self.held_token_ids, self.held_logprobs = [], []
+        return held
+
     def _check_stop(self, token_id: int, num_output: int) -> RequestStatus | None:
         """Stop conditions that need no text: stop/EOS token ids and length limits."""
         if token_id in self.stop_ids and num_output >= self.sampling_params.min_tokens:

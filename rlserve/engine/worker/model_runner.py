@@ -48,6 +48,24 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU, where work is synchronous
 
 
+@dataclass(slots=True)
+class _StepInputs:
+    """One step's inputs in host form, one entry per input token or per scheduled request."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_table_rows: list[int]  # each request's row in the BlockTableBuffer
+    sample_rows: list[int]  # index into `scheduled` of each request that samples
+    logits_indices: list[int]  # input row whose hidden state samples, per sampling request
+    placeholder_rows: list[int]  # input rows whose token the previous step sampled ...
+    placeholder_sources: list[int]  # ... and where it sits in that step's sampled ids
+    prompt_rows: list[tuple[int, int, int]]  # (scheduled index, first hidden row, count) for prompt logprobs
+    prompt_targets: list[int]  # the prompt tokens those rows predict
+
+
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
     columns = t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist()
     return list(map(PositionLogprobsData._make, zip(*columns, strict=True)))
@@ -251,17 +269,39 @@ class ModelRunner:
     def _launch(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> LaunchedStep:
         if self.staging is not None:
             self.staging.next_step()
+        inputs = self._gather_inputs(scheduled, prev)
+        hidden = self._forward(inputs, prev)
+        sampled_token_ids, logprobs = self._sample(hidden, scheduled, inputs)
+        prompt_logprobs = self._compute_prompt_logprobs(hidden, scheduled, inputs)
+        # Start the copies back now; `resolve` waits for them (and so for the whole step) only when it needs them.
+        step = LaunchedStep(
+            scheduled=scheduled,
+            sample_rows=inputs.sample_rows,
+            sample_index={scheduled[i].request.request_id: j for j, i in enumerate(inputs.sample_rows)},
+            prompt_rows=inputs.prompt_rows,
+            sampled_token_ids=sampled_token_ids,
+            host_token_ids=self._to_host(sampled_token_ids),
+            host_logprobs=None if logprobs is None else self._copy_to_host(logprobs),
+            host_prompt_logprobs=None if prompt_logprobs is None else self._copy_to_host(prompt_logprobs),
+        )
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def _gather_inputs(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> _StepInputs:
+        """One pass over the scheduled requests into flat host lists (a loop per list cost more at batch 1024)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        rows: list[int] = []
-        sample_rows: list[int] = []  # index into `scheduled` of each request that samples
+        table_rows: list[int] = []
+        sample_rows: list[int] = []
         logits_indices: list[int] = []
-        placeholder_rows: list[int] = []  # input rows whose token `prev` sampled ...
-        placeholder_sources: list[int] = []  # ... and where it sits in prev's sampled ids
-        prompt_rows: list[tuple[int, int, int]] = []  # (scheduled index, first hidden row, count)
+        placeholder_rows: list[int] = []
+        placeholder_sources: list[int] = []
+        prompt_rows: list[tuple[int, int, int]] = []
         prompt_targets: list[int] = []
         bs = self.block_size
         for i, item in enumerate(scheduled):
@@ -283,7 +323,7 @@ class ModelRunner:
                 slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
-            rows.append(self.block_table_buffer.row(request))
+            table_rows.append(self.block_table_buffer.row(request))
             if start + n == request.num_tokens:
                 sample_rows.append(i)
                 logits_indices.append(len(input_ids) - 1)
@@ -293,70 +333,78 @@ class ModelRunner:
                 if count:
                     prompt_rows.append((i, first_row, count))
                     prompt_targets.extend(request.all_token_ids[start + 1 : start + 1 + count])
-        max_seq_len = max(seq_lens)
-        block_tables = self._to_device(self.block_table_buffer.gather(rows, -(-max_seq_len // bs)))
-        ids = self._host_tensor(input_ids, torch.long)
-        if placeholder_rows:
-            sources = self._host_tensor(placeholder_sources, torch.long)
-            ids[self._host_tensor(placeholder_rows, torch.long)] = prev.sampled_token_ids[sources]
-        pos = self._host_tensor(positions, torch.long)
-        slots = self._host_tensor(slot_mapping, torch.long)
-        seq_lens_t = self._host_tensor(seq_lens, torch.int32)
-        is_decode = len(input_ids) == len(scheduled)
-        if is_decode and self.cuda_graphs is not None and len(scheduled) <= self.cuda_graphs.max_batch_size:
-            hidden = self.cuda_graphs.run(ids, pos, slots, seq_lens_t, block_tables)
-        else:
-            cu = [0]
-            for q in query_lens:
-                cu.append(cu[-1] + q)
-            meta = AttentionMetadata(
-                slot_mapping=slots,
-                cu_seqlens_q=self._host_tensor(cu, torch.int32),
-                seq_lens=seq_lens_t,
-                block_tables=block_tables,
-                max_seqlen_q=max(query_lens),
-                # Decode kernels pick their KV split from this bound: the graphs' bound, so eager and graph decode
-                # split (and round) identically.
-                max_seq_len=self.max_model_len if is_decode else max_seq_len,
-                query_lens_cpu=query_lens,
-                seq_lens_cpu=seq_lens,
-            )
-            hidden = self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
-
-        sampled_token_ids = torch.empty(0, dtype=torch.long, device=self.device)
-        logprobs = None
-        if sample_rows:
-            requests = [scheduled[i].request for i in sample_rows]
-            sample_hidden = (
-                hidden
-                if len(logits_indices) == hidden.shape[0]
-                else hidden[self._host_tensor(logits_indices, torch.long)]
-            )
-            logits = self.model.compute_logits(sample_hidden, self.fp32_head)
-            out = self.sampler(logits, self._sampling_metadata(requests))
-            sampled_token_ids, logprobs = out.token_ids, out.logprobs
-        prompt_logprobs = None
-        if prompt_rows:
-            dev = self.device
-            rows_t = torch.cat([torch.arange(r, r + c, device=dev) for _, r, c in prompt_rows])
-            values = self.model.compute_logits(hidden[rows_t], self.fp32_head).float().log_softmax(-1)
-            k = max(scheduled[i].request.sampling_params.prompt_logprobs for i, _, _ in prompt_rows)
-            prompt_logprobs = gather_logprobs(values, k, self._host_tensor(prompt_targets, torch.long))
-        # Start the copies back now; `resolve` waits for them (and so for the whole step) only when it needs them.
-        step = LaunchedStep(
-            scheduled=scheduled,
-            sample_rows=sample_rows,
-            sample_index={scheduled[i].request.request_id: j for j, i in enumerate(sample_rows)},
-            prompt_rows=prompt_rows,
-            sampled_token_ids=sampled_token_ids,
-            host_token_ids=self._to_host(sampled_token_ids),
-            host_logprobs=None if logprobs is None else self._copy_to_host(logprobs),
-            host_prompt_logprobs=None if prompt_logprobs is None else self._copy_to_host(prompt_logprobs),
+        return _StepInputs(
+            input_ids,
+            positions,
+            slot_mapping,
+            query_lens,
+            seq_lens,
+            table_rows,
+            sample_rows,
+            logits_indices,
+            placeholder_rows,
+            placeholder_sources,
+            prompt_rows,
+            prompt_targets,
         )
-        if self.device.type == "cuda":
-            step.done = torch.cuda.Event()
-            step.done.record()
-        return step
+
+    def _forward(self, inputs: _StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
+        """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there) and run the decoder:
+        a captured CUDA graph for pure decode batches that fit one, eager otherwise."""
+        max_seq_len = max(inputs.seq_lens)
+        block_tables = self._to_device(
+            self.block_table_buffer.gather(inputs.block_table_rows, -(-max_seq_len // self.block_size))
+        )
+        ids = self._host_tensor(inputs.input_ids, torch.long)
+        if inputs.placeholder_rows:
+            sources = self._host_tensor(inputs.placeholder_sources, torch.long)
+            ids[self._host_tensor(inputs.placeholder_rows, torch.long)] = prev.sampled_token_ids[sources]
+        pos = self._host_tensor(inputs.positions, torch.long)
+        slots = self._host_tensor(inputs.slot_mapping, torch.long)
+        seq_lens = self._host_tensor(inputs.seq_lens, torch.int32)
+        num_seqs = len(inputs.query_lens)
+        is_decode = len(inputs.input_ids) == num_seqs
+        if is_decode and self.cuda_graphs is not None and num_seqs <= self.cuda_graphs.max_batch_size:
+            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables)
+        cu = [0]
+        for q in inputs.query_lens:
+            cu.append(cu[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            cu_seqlens_q=self._host_tensor(cu, torch.int32),
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            max_seqlen_q=max(inputs.query_lens),
+            # Decode kernels pick their KV split from this bound: the graphs' bound, so eager and graph decode
+            # split (and round) identically.
+            max_seq_len=self.max_model_len if is_decode else max_seq_len,
+            query_lens_cpu=inputs.query_lens,
+            seq_lens_cpu=inputs.seq_lens,
+        )
+        return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
+
+    def _sample(
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs
+    ) -> tuple[torch.Tensor, LogprobsTensors | None]:
+        """The next token (and its logprobs) of every request whose step reaches its last known token."""
+        if not inputs.sample_rows:
+            return torch.empty(0, dtype=torch.long, device=self.device), None
+        requests = [scheduled[i].request for i in inputs.sample_rows]
+        if len(inputs.logits_indices) != hidden.shape[0]:
+            hidden = hidden[self._host_tensor(inputs.logits_indices, torch.long)]
+        logits = self.model.compute_logits(hidden, self.fp32_head)
+        out = self.sampler(logits, self._sampling_metadata(requests))
+        return out.token_ids, out.logprobs
+
+    def _compute_prompt_logprobs(
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs
+    ) -> LogprobsTensors | None:
+        if not inputs.prompt_rows:
+            return None
+        rows = torch.cat([torch.arange(r, r + c, device=self.device) for _, r, c in inputs.prompt_rows])
+        values = self.model.compute_logits(hidden[rows], self.fp32_head).float().log_softmax(-1)
+        k = max(scheduled[i].request.sampling_params.prompt_logprobs for i, _, _ in inputs.prompt_rows)
+        return gather_logprobs(values, k, self._host_tensor(inputs.prompt_targets, torch.long))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's host-side state."""
