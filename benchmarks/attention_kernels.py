@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from rlserve.model.attention import triton_ops
-from rlserve.model.attention.triton_ops import paged_attention, paged_decode_attention, store_kv_cache
+from rlserve.model.kernels import paged_attention as paged_attention_kernels
+from rlserve.model.kernels.paged_attention import paged_attention, paged_decode_attention, store_kv_cache
 
 PEAK_BYTES_PER_S = 4.2e12  # H200 HBM3e, about what a device-to-device copy reaches
 PEAK_BF16_FLOPS = 790e12  # dense bf16 matmul measured on an H200
@@ -191,7 +191,7 @@ def run_decode(name: str, batch_size: int, lo: int, hi: int, rows: list[Row]) ->
             batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, scale, 1, out
         )
 
-    splits = triton_ops._decode_num_splits(batch_size, HKV, hi, batch.q.device)
+    splits = paged_attention_kernels._decode_num_splits(batch_size, HKV, hi, batch.q.device)
     for label, fn in ((f"decode kernel (splits={splits})", decode), ("paged_attention (varlen)", varlen)):
         out.fill_(float("nan"))
         fn()
@@ -372,7 +372,7 @@ def sweep(rows: list[Row]) -> None:
         configs = [
             (
                 f"splits={sp} BLOCK_N={bn} warps={w} stages={st}",
-                functools.partial(triton_ops._launch_decode, *decode_args, sp, bn, w, st),
+                functools.partial(paged_attention_kernels._launch_decode, *decode_args, sp, bn, w, st),
             )
             for sp, bn, w, st in itertools.product((1, 2, 4), (64, 128), (2, 4), (2, 3))
         ]
@@ -390,7 +390,7 @@ def sweep(rows: list[Row]) -> None:
         configs = [
             (
                 f"BLOCK_M={bm} BLOCK_N={bn} w={w} s={st}",
-                functools.partial(triton_ops._launch_paged_attention, *varlen_args, bm, bn, w, st),
+                functools.partial(paged_attention_kernels._launch_paged_attention, *varlen_args, bm, bn, w, st),
             )
             for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
         ]

@@ -5,7 +5,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest -q -x tests/gpu tests/model/test_triton_ops.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/tests.log"
+python3 -m pytest -q -x tests/gpu tests/model/kernels/test_paged_attention.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/tests.log"
 if [ -f benchmarks/attention_kernels.py ]; then
   python3 benchmarks/attention_kernels.py --quick 2>&1 | tail -n 30 | tee "$OUT/kernels.log"
 fi

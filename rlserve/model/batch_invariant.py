@@ -24,7 +24,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight[N, K].T (+ bias), computed per row independently of the number of rows."""
     rows = x.reshape(-1, x.shape[-1])
     if x.is_cuda:
-        from rlserve.model.batch_invariant_kernels import matmul
+        from rlserve.model.kernels.batch_invariant_matmul import matmul
 
         out = matmul(rows, weight, bias)
     else:

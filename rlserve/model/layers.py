@@ -16,14 +16,14 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
-    """rlserve.model.fused_ops when its Triton kernels should run on x, else None (run the PyTorch code).
+    """rlserve.model.kernels.fused_ops when its Triton kernels should run on x, else None (run the PyTorch code).
 
     The kernels run only on CUDA, and only when autograd records nothing: they have no backward, and the trainer's
     forward (rlserve.rl.train_forward) needs one. The PyTorch code is their reference and the CPU path.
     """
     if not (x.is_cuda and _HAS_TRITON and not torch.is_grad_enabled()):
         return None
-    from rlserve.model import fused_ops  # imported on first use, so that CPU-only runs never load Triton
+    from rlserve.model.kernels import fused_ops  # imported on first use, so that CPU-only runs never load Triton
 
     return fused_ops
 

@@ -8,9 +8,10 @@ no host synchronisation; a request with a seed draws its E from its own generato
 what else is in the batch.
 
 On CUDA, a batch that uses temperature only (no min-p, top-k, top-p or min_tokens masking, no seeded request) and
-wants at most the chosen token's logprob goes to one fused Triton kernel (rlserve.model.sampling_kernels) instead of
-the PyTorch passes below: the same distributions and the same logprob values and ranks, from one read of the logits
-in their own dtype (two with logprobs). Its random stream is keyed by a seed drawn from torch's CPU generator.
+wants at most the chosen token's logprob goes to one fused Triton kernel (rlserve.model.kernels.fused_sampling)
+instead of the PyTorch passes below: the same distributions and the same logprob values and ranks, from one read of
+the logits in their own dtype (two with logprobs). Its random stream is keyed by a seed drawn from torch's CPU
+generator.
 """
 
 from __future__ import annotations
@@ -92,9 +93,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 @functools.cache
 def _fused_sample() -> Callable | None:
-    """sampling_kernels.fused_sample, or None where Triton cannot be imported."""
+    """kernels.fused_sampling.fused_sample, or None where Triton cannot be imported."""
     try:
-        from rlserve.model.sampling_kernels import fused_sample
+        from rlserve.model.kernels.fused_sampling import fused_sample
     except ImportError:
         return None
     return fused_sample

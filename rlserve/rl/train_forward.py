@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlserve.model.attention.base import AttentionMetadata, create_attention_backend
+from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
 

@@ -1,5 +1,6 @@
 """Attention over the paged KV cache. A backend is picked by device: the PyTorch reference on CPU, Triton on CUDA."""
 
-from rlserve.model.attention.base import AttentionBackend, AttentionMetadata, create_attention_backend
+from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
+from rlserve.model.attention.factory import create_attention_backend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "create_attention_backend"]

@@ -44,19 +44,3 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store this step's k/v at meta.slot_mapping, then attend causally over each sequence's cached context."""
         ...
-
-
-def create_attention_backend(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from rlserve.model.attention.torch_ref import TorchReferenceBackend
-
-        return TorchReferenceBackend(batch_invariant)
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got {device}")
-        from rlserve.model.attention.triton_backend import TritonBackend
-
-        return TritonBackend(batch_invariant)
-    raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")

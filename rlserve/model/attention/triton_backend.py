@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from rlserve.model.attention.base import AttentionMetadata
-from rlserve.model.attention.triton_ops import paged_attention, paged_decode_attention, store_kv_cache
+from rlserve.model.kernels.paged_attention import paged_attention, paged_decode_attention, store_kv_cache
 
 
 class TritonBackend:
     """batch_invariant: every step, decode included, runs the varlen kernel with one tile configuration, so a query's
-    result does not depend on the step's shape (see triton_ops.paged_attention)."""
+    result does not depend on the step's shape (see kernels.paged_attention.paged_attention)."""
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant

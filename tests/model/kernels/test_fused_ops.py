@@ -1,5 +1,5 @@
-"""CPU checks of the fused Triton kernels (rlserve.model.fused_ops) under TRITON_INTERPRET=1 against the PyTorch code
-in rlserve.model.layers, which is their reference and the CPU path.
+"""CPU checks of the fused Triton kernels (rlserve.model.kernels.fused_ops) under TRITON_INTERPRET=1 against the PyTorch
+code in rlserve.model.layers, which is their reference and the CPU path.
 
 Each kernel must reproduce the reference's roundings, so bf16 results may differ by at most one ulp and the residual
 sum not at all. Inputs are strided views where the engine feeds them (q/k inside a fused qkv output), and whatever
@@ -21,9 +21,10 @@ interpret_helpers.require_triton()
 
 import triton.language as tl  # noqa: E402
 
-from rlserve.model import fused_ops, layers  # noqa: E402
+from rlserve.model import layers  # noqa: E402
 from rlserve.model.attention.base import AttentionMetadata  # noqa: E402
 from rlserve.model.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from rlserve.model.kernels import fused_ops  # noqa: E402
 from rlserve.model.models.llama import DecoderForCausalLM, DecoderSpec, ForwardContext  # noqa: E402
 
 interpreted = interpret_helpers.interpreted

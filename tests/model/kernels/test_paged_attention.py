@@ -18,7 +18,7 @@ import torch
 
 interpret_helpers.require_triton()
 
-from rlserve.model.attention.triton_ops import (  # noqa: E402
+from rlserve.model.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_decode_attention,
     store_kv_cache,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlserve.model.triton_dot import dot, dot_precision, dot_upcast
+from rlserve.model.kernels.dot import dot, dot_precision, dot_upcast
 
 _LOG2E = 1.4426950408889634
 # Running row maxima start at a finite floor instead of -inf: a row whose keys are all masked then computes

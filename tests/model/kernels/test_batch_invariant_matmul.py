@@ -1,5 +1,5 @@
-"""CPU checks of the batch-invariant Triton matmul (rlserve.model.batch_invariant_kernels) under TRITON_INTERPRET=1:
-it computes x @ w.T (+ bias), and a row's bits do not depend on how many rows are computed with it.
+"""CPU checks of the batch-invariant Triton matmul (rlserve.model.kernels.batch_invariant_matmul) under
+TRITON_INTERPRET=1: it computes x @ w.T (+ bias), and a row's bits do not depend on how many rows are computed with it.
 
 interpret_helpers.py sets the interpreter up (or re-runs these checks in a fresh process where triton was imported
 before it could).
@@ -13,7 +13,7 @@ import torch
 
 interpret_helpers.require_triton()
 
-from rlserve.model.batch_invariant_kernels import BLOCK_K, BLOCK_M, BLOCK_N, matmul  # noqa: E402
+from rlserve.model.kernels.batch_invariant_matmul import BLOCK_K, BLOCK_M, BLOCK_N, matmul  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
 

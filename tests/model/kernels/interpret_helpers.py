@@ -43,7 +43,7 @@ def require_triton() -> None:
 
 def run_in_fresh_process(test_file: str) -> None:
     """Run test_file's checks in a new Python process that sets TRITON_INTERPRET before importing triton."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = dict(
         os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     )

@@ -1,4 +1,4 @@
-"""CPU checks of the fused sampling kernel (rlserve.model.sampling_kernels) under TRITON_INTERPRET=1.
+"""CPU checks of the fused sampling kernel (rlserve.model.kernels.fused_sampling) under TRITON_INTERPRET=1.
 
 Greedy tokens, logprob values and ranks are held to the PyTorch path's; random tokens to the distribution itself
 (chi-square over many rows of identical logits). Block sizes below the vocabulary make the loops run several blocks.
@@ -16,8 +16,8 @@ import torch
 
 interpret_helpers.require_triton()
 
+from rlserve.model.kernels.fused_sampling import fused_sample  # noqa: E402
 from rlserve.model.sampler import Sampler, SamplingMetadata, gather_logprobs  # noqa: E402
-from rlserve.model.sampling_kernels import fused_sample  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
 

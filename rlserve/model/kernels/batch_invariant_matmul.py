@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlserve.model.triton_dot import dot, dot_precision, dot_upcast
+from rlserve.model.kernels.dot import dot, dot_precision, dot_upcast
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3

@@ -1,0 +1,1 @@
+"""The model library: nn.Modules, layers, attention backends, sampler, weight loader and Triton kernels."""

@@ -1,0 +1,9 @@
+"""Triton kernels (CUDA; CPU-checked under TRITON_INTERPRET=1). Import a kernel module only where it runs: importing
+it imports triton, which CPU-only runs never load.
+
+- dot: tl.dot as the kernels use it, on the GPU and under the interpreter
+- fused_ops: RMSNorm (with the residual add), Qwen3's q/k RMSNorm + rotary, SiLU-and-mul
+- fused_sampling: temperature sampling with the chosen token's logprob in one pass
+- paged_attention: KV-cache store, varlen causal attention and split-KV decode over the paged cache
+- batch_invariant_matmul: the fixed-tile matmul of batch-invariant mode
+"""
