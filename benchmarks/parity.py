@@ -34,13 +34,13 @@ from rlserve.dtypes import TORCH_DTYPES
 from rlserve.rl.parity import (
     HEAD_SCALES,
     SCENARIOS,
-    ParityStats,
     format_table,
     make_peaked_model_dir,
     peakedness,
     random_prompts,
     run_parity,
 )
+from rlserve.rl.trainer_logprobs import ParityStats
 
 MODE_NAMES = {
     "lm_head/bf16": "bf16",

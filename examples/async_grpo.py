@@ -17,9 +17,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from rlserve.rl.demo import EngineServer, RolloutStream, WeightSync, load_trainer_model, train_on_batch, warm_up
+from rlserve.rl.engine_server import EngineServer
 from rlserve.rl.grpo import GRPOConfig, Policy
+from rlserve.rl.rollout_stream import RolloutStream
 from rlserve.rl.tasks import AdditionTask
+from rlserve.rl.train_step import train_on_batch
+from rlserve.rl.trainer_model import load_trainer_model, warm_up
+from rlserve.rl.weight_sync import WeightSync
 from rlserve.toy import make_model_dir
 
 

@@ -17,8 +17,8 @@ import tempfile
 import torch
 
 from rlserve import LLM, SamplingParams
-from rlserve.rl.parity import compare_logprobs, exact_trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
+from rlserve.rl.trainer_logprobs import compare_logprobs, exact_trainer_logprobs
 from rlserve.toy import make_model_dir
 
 TEMPERATURE = 0.8

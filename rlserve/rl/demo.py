@@ -8,8 +8,10 @@ the `nccl` backend, gloo for CPU tensors; or `ipc` on a shared GPU) -> finish(ve
 stops for longer than that pause; requests caught by it continue under the new weights, so one sample may carry two
 versions. Samples whose oldest token lags the trainer by more than `max_lag` versions are dropped.
 
-The pieces (EngineServer, RolloutStream, WeightSync, train_on_batch) are what `examples/async_grpo.py` composes;
-`run_demo` adds the per-step table, the plot, the JSON log and the verdict.
+The pieces are what `examples/async_grpo.py` composes: `EngineServer` (rlserve.rl.engine_server), `WeightSync`
+(rlserve.rl.weight_sync), `RolloutStream` (rlserve.rl.rollout_stream), `train_on_batch` (rlserve.rl.train_step) and
+the trainer's model with its warm-up (rlserve.rl.trainer_model). `run_demo` adds the per-step table, the plot, the
+JSON log and the verdict.
 """
 
 from __future__ import annotations
@@ -19,46 +21,30 @@ import asyncio
 import json
 import math
 import os
-import random
-import secrets
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-import httpx
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer
 
-from rlserve.dtypes import dtype_name
-from rlserve.rl.client import AsyncRLServeClient
-from rlserve.rl.grpo import GRPOConfig, Policy, Rollout, TokenBatch, TrainStats, group_advantages, supervised_warmup
-from rlserve.rl.tasks import AdditionTask, Problem
+from rlserve.rl.engine_server import EngineServer
+from rlserve.rl.grpo import GRPOConfig, Policy
+from rlserve.rl.rollout_stream import RolloutBatch, RolloutStream
+from rlserve.rl.tasks import AdditionTask
+from rlserve.rl.train_step import StepStats, train_on_batch
+from rlserve.rl.trainer_model import load_trainer_model, warm_up
+from rlserve.rl.weight_sync import BACKENDS, SyncTiming, WeightSync
 from rlserve.toy import PRESETS, make_model_dir
-from rlserve.weight_transfer import (
-    IPCTrainerSendWeightsArgs,
-    IPCWeightTransferEngine,
-    NCCLTrainerSendWeightsArgs,
-    NCCLWeightTransferEngine,
-    WeightTransferGroup,
-)
 
 # Exit status when the run completed but the reward did not rise by the margin (1 is left to crashes, 2 to argparse).
 EXIT_NO_IMPROVEMENT = 3
-# The whole demo model fits in one bucket: one broadcast per update.
-PACKED_BUFFER_SIZE_BYTES = 8 << 20
-ENGINE_START_TIMEOUT_S = 300.0
-HTTP_TIMEOUT_S = 300.0
-RENDEZVOUS_TIMEOUT_S = 120.0
-BACKENDS = ("nccl", "ipc")
 
 
 @dataclass(frozen=True)
@@ -95,377 +81,6 @@ class DemoConfig:
             raise ValueError("backend 'ipc' shares CUDA memory: it needs --device cuda")
         if self.backend == "nccl" and cuda:
             raise ValueError("NCCL refuses two ranks on one GPU: with --device cuda use --backend ipc")
-
-
-# ---- the engine process ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EngineServer:
-    """`rlserve serve` in a subprocess on a free port of 127.0.0.1, with a random API key and the RL API on.
-
-    A context manager: leaving it (normally, on an error, or on Ctrl-C) stops the process. The server runs in a
-    session of its own, so a terminal's Ctrl-C reaches only the trainer, which then stops the server in order.
-    """
-
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        log_path: str | Path,
-        device: str = "cpu",
-        backend: str = "nccl",
-        threads: int | None = None,
-    ) -> None:
-        self.model_dir = str(model_dir)
-        self.log_path = Path(log_path)
-        self.device = device
-        self.backend = backend
-        self.threads = threads
-        self.port = free_port()
-        self.api_key = secrets.token_hex(16)
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self._proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> EngineServer:
-        command = [
-            sys.executable, "-m", "rlserve.cli", "serve", self.model_dir,
-            "--host", "127.0.0.1", "--port", str(self.port), "--api-key", self.api_key, "--enable-rl-api",
-            "--weight-transfer-config", json.dumps({"backend": self.backend}),
-            "--device", self.device, "--dtype", "float32",
-            # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
-            "--logprobs-mode", "processed_logprobs",
-            "--log-level", "warning",
-        ]  # fmt: skip
-        env = dict(os.environ)
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        return self
-
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-    async def wait_ready(self, timeout: float = ENGINE_START_TIMEOUT_S) -> None:
-        """Wait for /health; fail at once, with the server's log, if the process exits first."""
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient(base_url=self.base_url, timeout=5.0) as http:
-            while True:
-                if self._proc is None or self._proc.poll() is not None:
-                    code = None if self._proc is None else self._proc.returncode
-                    raise RuntimeError(f"the engine exited (status {code}) before serving:\n{self.log_tail()}")
-                try:
-                    if (await http.get("/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the engine did not serve within {timeout:g} s:\n{self.log_tail()}")
-                await asyncio.sleep(0.2)
-
-    def control(self) -> AsyncRLServeClient:
-        return AsyncRLServeClient(self.base_url, api_key=self.api_key, timeout=HTTP_TIMEOUT_S)
-
-    def http(self) -> httpx.AsyncClient:
-        # Connection limits sized for many concurrent completions (httpx's default pool holds 100).
-        return httpx.AsyncClient(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {self.api_key}"},
-            timeout=HTTP_TIMEOUT_S,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
-
-
-# ---- weight sync ----
-
-
-@dataclass(frozen=True)
-class SyncTiming:
-    sync_ms: float  # start_weight_update -> finish_weight_update returned: the transfer itself
-    pause_ms: float  # pause called -> resume returned: how long generation stood still
-    # Each call of the sequence (pause, start, transfer, finish, resume), for the JSON log: where a slow sync goes.
-    phases_ms: dict[str, float]
-
-
-class WeightSync:
-    """Pushes the trainer's weights into the engine through the native four-phase API, around a pause(keep).
-
-    `nccl`: the trainer (rank 0) and the engine's worker (rank 1) form a group once (`connect`); every update is one
-    packed broadcast (gloo for CPU tensors), received by the engine while its `update_weights` call is pending.
-    `ipc`: nothing to connect; the trainer exports CUDA handles and posts them as the update itself.
-    """
-
-    def __init__(self, engine: EngineServer, control: AsyncRLServeClient) -> None:
-        self.engine = engine
-        self.control = control
-        self._group: WeightTransferGroup | None = None
-
-    async def connect(self) -> None:
-        if self.engine.backend == "ipc":
-            await self.control.init_weight_transfer_engine({})
-            return
-        init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
-        # Both sides block until the other joins: the engine's call is awaited while the trainer joins on a thread.
-        _, self._group = await asyncio.gather(
-            self.control.init_weight_transfer_engine(init_info),
-            asyncio.to_thread(NCCLWeightTransferEngine.trainer_init, {**init_info, "timeout_s": RENDEZVOUS_TIMEOUT_S}),
-        )
-
-    async def push(self, weights: Sequence[tuple[str, torch.Tensor]], version: int) -> SyncTiming:
-        phases: dict[str, float] = {}
-
-        async def timed(name: str, call: Awaitable[Any]) -> None:
-            t = time.perf_counter()
-            await call
-            phases[name] = (time.perf_counter() - t) * 1e3
-
-        # keep: in-flight requests freeze and continue under the new weights. clear_cache: their KV is recomputed
-        # under the new weights, so every token's logprob is exactly what the trainer computes for its version
-        # (PipelineRL keeps the stale KV instead: a small, unmeasured mismatch in exchange for no recompute).
-        await timed("pause", self.control.pause(mode="keep", clear_cache=True))
-        try:
-            await timed("start", self.control.start_weight_update())
-            await timed("transfer", self._transfer(weights))
-            await timed("finish", self.control.finish_weight_update(weight_version=str(version)))
-        finally:
-            await timed("resume", self.control.resume())
-        sync_ms = phases["start"] + phases["transfer"] + phases["finish"]
-        return SyncTiming(sync_ms=sync_ms, pause_ms=sync_ms + phases["pause"] + phases["resume"], phases_ms=phases)
-
-    async def _transfer(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if self.engine.backend == "ipc":
-            args = IPCTrainerSendWeightsArgs(
-                send_mode="http", url=self.engine.base_url, api_key=self.engine.api_key, packed=True,
-                packed_buffer_size_bytes=PACKED_BUFFER_SIZE_BYTES,
-            )  # fmt: skip
-            await asyncio.to_thread(IPCWeightTransferEngine.trainer_send_weights, iter(weights), args)
-            return
-        if self._group is None:
-            raise RuntimeError("WeightSync.push before connect()")
-        update_info = {
-            "names": [name for name, _ in weights],
-            "dtype_names": [dtype_name(t.dtype) for _, t in weights],
-            "shapes": [list(t.shape) for _, t in weights],
-            "packed": True,
-            "packed_buffer_size_bytes": PACKED_BUFFER_SIZE_BYTES,
-        }
-        args = NCCLTrainerSendWeightsArgs(
-            group=self._group, packed=True, packed_buffer_size_bytes=PACKED_BUFFER_SIZE_BYTES
-        )
-        await asyncio.gather(
-            self.control.update_weights(update_info),
-            asyncio.to_thread(NCCLWeightTransferEngine.trainer_send_weights, iter(weights), args),
-        )
-
-    def close(self) -> None:
-        if self._group is not None:
-            self._group.shutdown()
-            self._group = None
-
-
-# ---- rollouts ----
-
-
-@dataclass(frozen=True)
-class Group:
-    """One prompt's samples: the unit GRPO normalises rewards over."""
-
-    problem: Problem
-    rollouts: list[Rollout]
-
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    groups: list[Group]
-    num_dropped: int  # samples dropped for lagging more than max_lag versions behind the trainer
-    wait_ms: float  # how long the trainer waited for them
-
-
-class RolloutStream:
-    """Keeps `concurrency` GRPO groups generating at all times and buffers up to `buffer` finished ones.
-
-    Each worker loops: draw a prompt, POST /v1/completions with n=group_size, queue the scored group. The queue is
-    bounded, so when the trainer falls behind the workers wait with finished groups in hand instead of running
-    further ahead of the weights (which bounds the lag).
-    """
-
-    def __init__(
-        self,
-        http: httpx.AsyncClient,
-        task: AdditionTask,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        group_size: int,
-        concurrency: int,
-        seed: int,
-        buffer: int | None = None,
-        temperature: float = 1.0,
-    ) -> None:
-        self.http = http
-        self.task = task
-        self.tokenizer = tokenizer
-        self.group_size = group_size
-        self.concurrency = concurrency
-        self.temperature = temperature
-        self._rng = random.Random(seed)
-        self._seed = seed
-        self._num_requests = 0
-        # By default a quarter of the in-flight groups may wait finished: the trainer rarely waits long, and samples
-        # lag about one version (one-step off-policy, as in PipelineRL).
-        buffer = max(1, concurrency // 4) if buffer is None else buffer
-        if concurrency < 1 or buffer < 1:
-            raise ValueError(f"concurrency and buffer must be >= 1, got {concurrency} and {buffer}")
-        self._queue: asyncio.Queue[Group] = asyncio.Queue(maxsize=buffer)
-        self._workers: list[asyncio.Task] = []
-        self._failed: asyncio.Future | None = None
-
-    async def __aenter__(self) -> RolloutStream:
-        self._failed = asyncio.get_running_loop().create_future()
-        self._workers = [asyncio.create_task(self._work()) for _ in range(self.concurrency)]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers = []
-
-    async def _work(self) -> None:
-        try:
-            while True:
-                group = await self.generate(self.task.sample(self._rng))
-                await self._queue.put(group)
-        except Exception as e:  # the trainer waits in take(): hand it the failure instead of a silent hang
-            if not self._failed.done():
-                self._failed.set_exception(e)
-
-    async def generate(self, problem: Problem) -> Group:
-        prompt_ids = self.tokenizer(problem.prompt).input_ids
-        self._num_requests += 1
-        body = {
-            "prompt": prompt_ids,
-            "n": self.group_size,
-            "max_tokens": self.task.max_completion_tokens,
-            "temperature": self.temperature,
-            "logprobs": 0,  # the sampled token's logprob only
-            "return_token_ids": True,
-            # Seeded per request: a request's samples do not depend on what else is in the engine's batch.
-            "seed": self._seed * 1_000_003 + self._num_requests * self.group_size,
-        }
-        response = await self.http.post("/v1/completions", json=body)
-        if response.is_error:
-            raise RuntimeError(f"/v1/completions -> {response.status_code}: {response.text}")
-        rollouts = [
-            Rollout(
-                prompt_ids=prompt_ids,
-                completion_ids=choice["token_ids"],
-                logprobs=choice["logprobs"]["token_logprobs"],
-                versions=[int(v) for v in choice["weight_versions"]],
-                reward=self.task.reward(problem, choice["text"], choice["finish_reason"]),
-            )
-            for choice in sorted(response.json()["choices"], key=lambda c: c["index"])
-        ]
-        return Group(problem, rollouts)
-
-    async def take(self, num_groups: int, trainer_version: int, max_lag: int) -> RolloutBatch:
-        """The next `num_groups` groups in order of arrival, without their samples older than `max_lag` versions
-        (a group left with no sample does not count)."""
-        if self._failed is None:
-            raise RuntimeError("RolloutStream.take outside `async with stream:`")
-        start = time.perf_counter()
-        groups: list[Group] = []
-        dropped = 0
-        while len(groups) < num_groups:
-            getter = asyncio.ensure_future(self._queue.get())
-            await asyncio.wait([getter, self._failed], return_when=asyncio.FIRST_COMPLETED)
-            if self._failed.done():
-                getter.cancel()
-                self._failed.result()  # raises the worker's error
-            group = getter.result()
-            fresh = [r for r in group.rollouts if trainer_version - r.oldest_version <= max_lag]
-            dropped += len(group.rollouts) - len(fresh)
-            if fresh:
-                groups.append(Group(group.problem, fresh))
-        return RolloutBatch(groups, dropped, (time.perf_counter() - start) * 1e3)
-
-
-# ---- one training step ----
-
-
-@dataclass(frozen=True)
-class StepStats:
-    reward: float
-    lag_mean: float
-    lag_max: int
-    num_samples: int
-    train: TrainStats
-
-
-def train_on_batch(policy: Policy, batch: RolloutBatch, pad_id: int) -> StepStats:
-    """One GRPO step on a batch of groups: per-group advantages, then the policy's clipped update."""
-    rollouts = [r for g in batch.groups for r in g.rollouts]
-    # Groups may have lost samples to the lag filter, so each is normalised on its own.
-    advantages = torch.cat(
-        [
-            group_advantages(torch.tensor([[r.reward for r in g.rollouts]]), policy.config.std_eps)[0]
-            for g in batch.groups
-        ]
-    )
-    lags = [policy.version - r.oldest_version for r in rollouts]
-    device = next(policy.model.parameters()).device
-    train = policy.train_step(TokenBatch.from_rollouts(rollouts, pad_id, device), advantages)
-    return StepStats(
-        reward=sum(r.reward for r in rollouts) / len(rollouts),
-        lag_mean=sum(lags) / len(lags),
-        lag_max=max(lags),
-        num_samples=len(rollouts),
-        train=train,
-    )
-
-
-# ---- models ----
-
-
-def load_trainer_model(model_dir: str | Path, device: str = "cpu") -> torch.nn.Module:
-    """The trainer's copy: Hugging Face's Qwen3ForCausalLM in fp32, whose parameter names are checkpoint names."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-
-
-def warm_up(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, task: AdditionTask, steps: int, seed: int
-) -> None:
-    """Supervised warm-up on the task, so RL starts from a model that is sometimes right (GRPO learns nothing from
-    groups that are all wrong)."""
-    eos = [tokenizer.eos_token_id]
-
-    def example(rng: random.Random) -> tuple[list[int], list[int]]:
-        problem = task.sample(rng)
-        return tokenizer(problem.prompt).input_ids, tokenizer(problem.answer).input_ids + eos
-
-    supervised_warmup(model, example, steps, pad_id=tokenizer.pad_token_id, seed=seed)
 
 
 # ---- the demo ----

@@ -9,7 +9,7 @@ A model loaded with `batch_invariant=True` is the reference of the engine's batc
 through the engine's own batch-invariant attention backend over a paged cache built for them, and every projection
 through the same batch-invariant matmul, so its logprobs equal the engine's bit for bit. That forward has no backward
 (the GPU kernels are Triton's, without gradients): it runs without autograd. To train on its values,
-`rlserve.rl.parity.exact_trainer_logprobs` takes the gradients from the regular forward (straight-through).
+`rlserve.rl.trainer_logprobs.exact_trainer_logprobs` takes the gradients from the regular forward (straight-through).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from rlserve import SamplingParams, WeightTransferConfig
 from rlserve.dtypes import dtype_name
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.rl.parity import exact_trainer_logprobs, trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
+from rlserve.rl.trainer_logprobs import exact_trainer_logprobs, trainer_logprobs
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
 TEMPERATURE = 0.7

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlserve import LLM, SamplingParams
-from rlserve.rl.parity import trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
+from rlserve.rl.trainer_logprobs import trainer_logprobs
 from rlserve.toy import make_model_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

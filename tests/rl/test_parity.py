@@ -18,17 +18,15 @@ import torch
 
 from rlserve import LLM
 from rlserve.rl.parity import (
-    ParityStats,
     SamplingSetup,
-    compare_logprobs,
     load_trainer,
     make_peaked_model_dir,
     random_prompts,
     run_parity,
     sample_rollouts,
-    trainer_logprobs,
 )
 from rlserve.rl.train_forward import load_training_model
+from rlserve.rl.trainer_logprobs import ParityStats, compare_logprobs, trainer_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4

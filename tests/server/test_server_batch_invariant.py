@@ -8,8 +8,8 @@ from pathlib import Path
 
 from server_helpers import MODEL_NAME, Server
 
-from rlserve.rl.parity import trainer_logprobs
 from rlserve.rl.train_forward import load_training_model
+from rlserve.rl.trainer_logprobs import trainer_logprobs
 
 TEMPERATURE = 0.7
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate((4, 19, 33, 8, 26, 12, 41, 2, 17, 30))]
