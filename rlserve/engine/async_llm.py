@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlserve.engine.args import make_engine_config
 from rlserve.engine.core import PAUSE_MODES, EngineCore, EngineCoreOutput
-from rlserve.engine.llm import PromptType, _field, load_tokenizer, make_engine_config, tokenize_prompt
+from rlserve.engine.llm import PromptType, _field, load_tokenizer, tokenize_prompt
 from rlserve.engine.output_processor import OutputProcessor
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams

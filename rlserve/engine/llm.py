@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.engine.args import make_engine_config
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor
 from rlserve.outputs import RequestOutput
@@ -22,23 +21,6 @@ PromptType = str | dict[str, Any]
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
-
-
-def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
-    wt = kwargs.get("weight_transfer_config")
-    if isinstance(wt, dict):
-        kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
-    # vLLM turns batch invariance on by environment; scripts written for it set this before building the engine.
-    if "batch_invariant" not in kwargs and os.environ.get(VLLM_BATCH_INVARIANT_ENV) == "1":
-        kwargs["batch_invariant"] = True
-    return EngineConfig(model=model, **kwargs)
 
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
+from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.llm import tokenize_prompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -530,8 +531,6 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from rlserve.cli import engine_kwargs
-
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.enable_rl_api and not api_key:
         print(
@@ -555,8 +554,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    from rlserve.cli import add_engine_arguments
-
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server, with optional RL control routes")
     serve.add_argument("model", help="Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1")
