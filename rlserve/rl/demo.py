@@ -39,6 +39,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from rlserve.dtypes import dtype_name
+from rlserve.engine.args import engine_flags
 from rlserve.rl.client import AsyncRLServeClient
 from rlserve.rl.grpo import GRPOConfig, Policy, Rollout, TokenBatch, TrainStats, group_advantages, supervised_warmup
 from rlserve.rl.tasks import AdditionTask, Problem
@@ -136,10 +137,11 @@ class EngineServer:
         command = [
             sys.executable, "-m", "rlserve.cli", "serve", self.model_dir,
             "--host", "127.0.0.1", "--port", str(self.port), "--api-key", self.api_key, "--enable-rl-api",
-            "--weight-transfer-config", json.dumps({"backend": self.backend}),
-            "--device", self.device, "--dtype", "float32",
-            # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
-            "--logprobs-mode", "processed_logprobs",
+            *engine_flags(
+                weight_transfer_config={"backend": self.backend}, device=self.device, dtype="float32",
+                # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
+                logprobs_mode="processed_logprobs",
+            ),
             "--log-level", "warning",
         ]  # fmt: skip
         env = dict(os.environ)
