@@ -60,7 +60,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str,
         raise ValueError(f"defaults: {unknown} are not engine fields")
     group = parser.add_argument_group("engine", "EngineConfig fields (rlserve.config)")
     hints = typing.get_type_hints(EngineConfig)
-    aliases = {a.field: [a.flag] for a in FLAG_ALIASES if a.value is TAKES_ARGUMENT}
+    spellings: dict[str, list[str]] = {}  # field -> its aliases that take an argument
+    for alias in FLAG_ALIASES:
+        if alias.value is TAKES_ARGUMENT:
+            spellings.setdefault(alias.field, []).append(alias.flag)
     for f in engine_fields():
         help_text = f.metadata["help"]
         if "default:" not in help_text:  # some helps say what the default means better than its value would
@@ -71,7 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str,
             help=help_text,
             **_value_options(f, hints[f.name]),
         )
-        group.add_argument(flag_name(f.name), *aliases.get(f.name, []), **options)
+        group.add_argument(flag_name(f.name), *spellings.get(f.name, []), **options)
     for alias in FLAG_ALIASES:
         if alias.value is not TAKES_ARGUMENT:
             group.add_argument(

@@ -113,8 +113,9 @@ def test_aliases_set_their_field() -> None:
 
 
 def test_a_new_spelling_is_one_table_entry(monkeypatch) -> None:
-    monkeypatch.setattr(args_module, "FLAG_ALIASES", (*FLAG_ALIASES, FlagAlias("--max-seqs", "max_num_seqs")))
-    assert parse("--max-seqs", "4") == {"max_num_seqs": 4}
+    extra = (FlagAlias("--max-seqs", "max_num_seqs"), FlagAlias("--max-num-sequences", "max_num_seqs"))
+    monkeypatch.setattr(args_module, "FLAG_ALIASES", (*FLAG_ALIASES, *extra))
+    assert parse("--max-seqs", "4") == parse("--max-num-sequences", "4") == {"max_num_seqs": 4}
 
 
 def test_batch_invariant_reaches_the_config_only_when_given(monkeypatch) -> None:
