@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from throughput import workloads  # noqa: E402  (the benchmarks share W1's definition)
 
 from rlserve import RequestOutputKind, WeightTransferConfig  # noqa: E402
+from rlserve.engine.args import add_engine_arguments, engine_kwargs  # noqa: E402
 from rlserve.engine.async_llm import AsyncLLM  # noqa: E402
 from rlserve.toy import make_model_dir  # noqa: E402
 from rlserve.weight_transfer import (  # noqa: E402
@@ -144,27 +145,27 @@ def _stats(values: list[float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of W1's prompts (CPU runs)")
     ap.add_argument("--every", type=int, default=16, help="engine steps between updates")
-    ap.add_argument("--max-num-seqs", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--stream", action="store_true", help="consume cumulative outputs every step")
+    add_engine_arguments(
+        ap,
+        defaults={
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "max_num_seqs": 1024,
+            "max_num_batched_tokens": 16384,
+            "max_model_len": 2048,
+        },
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_dir = make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=dtype)
     WeightTransferEngineFactory.register_engine("local", LocalWeightTransferEngine)
-    engine = AsyncLLM(
-        str(model_dir),
-        dtype=str(dtype).removeprefix("torch."),
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=2048,
-        weight_transfer_config=WeightTransferConfig(backend="local"),
-    )
+    # The model is made in the device's dtype and the updates go through the in-process "local" backend.
+    fixed = dict(dtype=str(dtype).removeprefix("torch."), weight_transfer_config=WeightTransferConfig(backend="local"))
+    engine = AsyncLLM(str(model_dir), **{**engine_kwargs(args), **fixed})
     # The trainer's copy of the weights, on the engine's device: a full update every time.
     trainer_weights = [(name, t.clone()) for name, t in engine.engine_core.runner.model.checkpoint_weights()]
     prompts, params = workloads("W1", engine.engine_core.vocab_size, args.scale, seed=0)

@@ -32,6 +32,7 @@ import httpx
 import torch
 
 from rlserve import LLM, SamplingParams
+from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwargs
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -44,13 +45,7 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def engine_args(args: argparse.Namespace) -> dict:
-    return dict(
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.input_len + args.output_len + 16,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    return {**engine_kwargs(args), "max_model_len": args.input_len + args.output_len + 16}
 
 
 def run_offline(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
@@ -78,8 +73,7 @@ def free_port() -> int:
 
 def start_server(model_dir: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", model_dir, "--port", str(port), "--log-level", "warning"]
-    for key, value in engine_args(args).items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    cmd += engine_flags(**engine_args(args))
     env = dict(os.environ)
     if args.cpu_threads:
         env["OMP_NUM_THREADS"] = str(args.cpu_threads)  # torch's intra-op threads in the server process
@@ -157,23 +151,22 @@ def run_server(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=None, help="concurrent HTTP clients (default: all prompts)")
     ap.add_argument("--stream", action="store_true", help="clients stream (SSE) instead of waiting for the whole")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-num-seqs", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads, both sides")
+    # --dtype not given: bfloat16 on cuda, float32 on cpu (the toy model is made in it too).
+    add_engine_arguments(ap, defaults={"device": "cpu", "max_num_seqs": 1024, "max_num_batched_tokens": 16384})
     args = ap.parse_args()
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if "dtype" not in vars(args):
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     args.concurrency = args.concurrency or args.num_prompts
 
     model_dir = args.model_dir

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlserve import LLM, SamplingParams
+from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.toy import make_model_dir
 
 
@@ -150,17 +151,11 @@ def run_hf(model_dir: str, device: torch.device, dtype: torch.dtype, mode: str, 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
-    ap.add_argument("--dtype", default=None)
     ap.add_argument("--workloads", default="W1,W2,W3", help="comma list; NAME/sync runs NAME without async scheduling")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's prompts (CPU runs)")
     ap.add_argument("--hf", default="dynamic", help="comma list of HF baselines: dynamic, static, none")
     ap.add_argument("--hf-batch", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=1024)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--batch-invariant", action="store_true", help="the engine in batch-invariant mode")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--profile", action="store_true", help="cProfile the host side of the first workload")
@@ -170,9 +165,21 @@ def main() -> int:
         default="full",
         help="full: run each workload once untimed first; short: a few short requests (first-run costs included)",
     )
+    # --dtype not given: bfloat16 on cuda, float32 on cpu (the toy model is made in it too).
+    add_engine_arguments(
+        ap,
+        defaults={
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "max_num_seqs": 1024,
+            "max_num_batched_tokens": 16384,
+            "max_model_len": 2048,
+        },
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if "dtype" not in vars(args):
+        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    dtype_name = args.dtype
     dtype = getattr(torch, dtype_name)
 
     model_dir = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=dtype))
@@ -194,16 +201,7 @@ def main() -> int:
         hf_rows.append(dict(baseline=f"hf-{mode}", tok_s=tok_s))
         print(json.dumps(hf_rows[-1]), flush=True)
     t0 = time.perf_counter()
-    llm = LLM(
-        model_dir,
-        dtype=dtype_name,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager,
-        batch_invariant=args.batch_invariant,
-        max_model_len=2048,
-    )
+    llm = LLM(model_dir, **engine_kwargs(args))
     startup = time.perf_counter() - t0
     runner = llm.engine_core.runner
     spec = runner.spec

@@ -1,14 +1,19 @@
-"""Frozen configuration objects shared by the engine, the runner and the weight-transfer backends."""
+"""Frozen configuration objects shared by the engine, the runner and the weight-transfer backends.
+
+Each `EngineConfig` field's `metadata` holds its `help` (and `choices` where the values are a fixed set):
+rlserve.engine.args derives the command-line flags from them, so a field and its flag cannot drift apart.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *MODEL_DTYPES)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -18,42 +23,57 @@ class WeightTransferConfig:
     backend: str = "nccl"
 
 
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its command-line help (and allowed values, checked by EngineConfig too)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from gpu_memory_utilization (GPU) or cpu_kv_cache_bytes
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 1 << 30
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    max_logprobs: int = 20
-    logprobs_mode: LogprobsMode = "raw_logprobs"
-    lm_head_dtype: str | None = None  # "float32" runs the LM head in fp32
-    enforce_eager: bool = False
-    # Schedule and launch step N+1 before reading back step N, so host work overlaps device work.
-    async_scheduling: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    # Every row computed the same way whatever the batch (rlserve.model.batch_invariant): a request's tokens and
-    # logprobs do not depend on what else runs, and equal rlserve's trainer-side forward bit for bit. Slower.
-    batch_invariant: bool = False
-    # "package.module:Class" whose methods join the engine's worker, for collective_rpc (vLLM's worker_extension_cls).
-    worker_extension_cls: str | None = None
-    weight_transfer_config: WeightTransferConfig | None = field(default=None)
+    model: str = field(metadata={"help": "Hugging Face model directory"})
+    dtype: str = _option("auto", "weights and activations (auto: the checkpoint's)", DTYPES)
+    device: str = _option("cpu", "cpu or cuda[:N]")
+    seed: int = _option(0, "seed of the engine's random state")
+    max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's)")
+    max_num_seqs: int = _option(256, "most requests in one step")
+    max_num_batched_tokens: int = _option(8192, "most tokens in one step")
+    block_size: int = _option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _option(
+        None, "KV cache size in blocks (default: from --gpu-memory-utilization, or --cpu-kv-cache-bytes on CPU)"
+    )
+    gpu_memory_utilization: float = _option(0.9, "fraction of the GPU's memory the engine may use")
+    cpu_kv_cache_bytes: int = _option(1 << 30, "KV cache size in bytes on CPU")
+    enable_prefix_caching: bool = _option(True, "reuse the KV of prompt prefixes other requests computed")
+    enable_chunked_prefill: bool = _option(True, "split long prompts over several steps")
+    max_logprobs: int = _option(20, "most logprobs (and prompt_logprobs) a request may ask for")
+    logprobs_mode: LogprobsMode = _option("raw_logprobs", "what logprobs report", LOGPROBS_MODES)
+    lm_head_dtype: str | None = _option(
+        None, "float32 runs the LM head in fp32 (default: the model's dtype)", ("float32", "auto")
+    )
+    enforce_eager: bool = _option(False, "no CUDA graphs")
+    async_scheduling: bool = _option(
+        True,
+        "schedule and launch step N+1 before reading back step N, so host work overlaps device work",
+    )
+    attention_backend: str = _option("auto", "attention kernels", ATTENTION_BACKENDS)
+    batch_invariant: bool = _option(
+        False,
+        "compute every request the same way whatever the batch (rlserve.model.batch_invariant): tokens and logprobs "
+        "do not depend on what else runs, and equal rlserve's trainer-side forward (rlserve.rl.train_forward) bit "
+        "for bit; slower",
+    )
+    worker_extension_cls: str | None = _option(
+        None, "'package.module:Class' whose methods join the worker, for collective_rpc (vLLM's option)"
+    )
+    weight_transfer_config: WeightTransferConfig | None = _option(
+        None, 'JSON, e.g. \'{"backend": "nccl"}\'; enables live weight updates'
+    )
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.lm_head_dtype not in (None, "float32", "auto"):
-            raise ValueError(f"lm_head_dtype must be 'float32' or None, got {self.lm_head_dtype!r}")
+        for f in fields(self):
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices is not None and value is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
             if getattr(self, name) < 1 and name != "max_logprobs":
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -63,5 +83,3 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -16,9 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlserve.engine.core import PAUSE_MODES, EngineCore, EngineCoreOutput
-from rlserve.engine.llm import PromptType, _field, load_tokenizer, make_engine_config, tokenize_prompt
-from rlserve.engine.output_processor import OutputProcessor
+from rlserve.engine.core import EngineCore, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams
 
@@ -35,12 +34,9 @@ class _Stream:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class AsyncLLM:
+class AsyncLLM(EngineFrontEnd):
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.config = make_engine_config(model, **kwargs)
-        self.engine_core = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(model)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        super().__init__(model, **kwargs)
         self.model_name = model
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
@@ -124,20 +120,26 @@ class AsyncLLM:
             self._commands.put(lambda: self.engine_core.abort_requests(to_abort))
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: PromptType | ValidatedPrompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas)."""
+        """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas).
+        A prompt from `validate_prompt` is queued as it is, with the params it was checked with."""
         self._bind_loop()
         if self.error is not None:
             raise RuntimeError(f"the engine failed earlier: {self.error!r}")
-        params = sampling_params or SamplingParams()
-        text, ids = tokenize_prompt(self.tokenizer, prompt)
-        self.engine_core.validate(ids, params)  # reads only immutable engine facts; safe off the core thread
+        if not isinstance(prompt, ValidatedPrompt):
+            prompt = self.validate_prompt(prompt, sampling_params or SamplingParams())
+        elif sampling_params is not None and sampling_params is not prompt.params:
+            raise ValueError("sampling_params: a validated prompt carries the params it was checked with")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         stream = self._streams[request_id] = _Stream()
-        children = self.output_processor.add_request(request_id, text, ids, params)
+        ids = prompt.token_ids
+        children = self.output_processor.add_request(request_id, prompt.text, ids, prompt.params)
 
         def add(core: EngineCore) -> None:
             for child_id, child_params in children:
@@ -177,10 +179,7 @@ class AsyncLLM:
         """abort: end the requests in flight, return once their streams have their last output. wait: admit nothing
         new, return when the requests in flight have finished (then clear the cache if asked) or when a resume ends
         the pause first (the cache is then left as it is). keep: freeze everything where it is."""
-        if wait_for_inflight_requests is not None:  # vLLM's deprecated spelling of mode="wait"
-            mode = "wait" if wait_for_inflight_requests else mode
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        mode = resolve_pause_mode(mode, wait_for_inflight_requests)
         affected = [s for s in self._streams.values()]
         if mode == "wait":
             loop = self._bind_loop()

@@ -30,6 +30,15 @@ SLEEP_LEVELS = (0, 1, 2)
 WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 
 
+def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:
+    """The pause mode asked for, checked; vLLM's deprecated `wait_for_inflight_requests=True` spells mode="wait"."""
+    if wait_for_inflight_requests:
+        mode = "wait"
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     """What one step adds to one request."""
@@ -93,6 +102,7 @@ class EngineCore:
     # ---- requests ----
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The engine's limits on a request; front ends check with it before add_request (see validate_prompt)."""
         if not prompt_token_ids:
             raise ValueError("prompt: the prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -114,8 +124,7 @@ class EngineCore:
             raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {self.vocab_size}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue one sample (n == 1; the front end splits n > 1 into several requests)."""
-        self.validate(prompt_token_ids, params)
+        """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         generator = None
@@ -246,8 +255,7 @@ class EngineCore:
 
     def pause(self, mode: str, clear_cache: bool) -> list[EngineCoreOutput]:
         """Apply a pause mode. For "wait" the caller keeps stepping until `num_in_flight` is 0, then clears."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        mode = resolve_pause_mode(mode)
         outputs: list[EngineCoreOutput] = []
         if mode == "abort":
             outputs = self.abort_requests(list(self.requests))

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.engine.args import make_engine_config
 from rlserve.engine.core import EngineCore
 from rlserve.engine.output_processor import OutputProcessor
+from rlserve.engine.worker.extension import extension_methods
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -22,23 +22,6 @@ PromptType = str | dict[str, Any]
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
-
-
-def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
-    wt = kwargs.get("weight_transfer_config")
-    if isinstance(wt, dict):
-        kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
-    # vLLM turns batch invariance on by environment; scripts written for it set this before building the engine.
-    if "batch_invariant" not in kwargs and os.environ.get(VLLM_BATCH_INVARIANT_ENV) == "1":
-        kwargs["batch_invariant"] = True
-    return EngineConfig(model=model, **kwargs)
 
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -55,12 +38,47 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> t
     raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}")
 
 
-class LLM:
+@dataclass(frozen=True)
+class ValidatedPrompt:
+    """A prompt tokenized and checked, with `params`, against the engine's limits (`validate_prompt`): the engine
+    queues it without checking it again."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class EngineFrontEnd:
+    """What LLM and AsyncLLM share: the engine core they drive and the facts and checks that their callers (the
+    server, the CLI) read through them rather than from the core. These read only what is fixed at start-up, so
+    any thread may call them."""
+
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = make_engine_config(model, **kwargs)
         self.engine_core = EngineCore(self.config)
         self.tokenizer = load_tokenizer(model)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence, prompt and output, the engine serves."""
+        return self.engine_core.max_model_len
+
+    def validate_prompt(self, prompt: PromptType, params: SamplingParams) -> ValidatedPrompt:
+        """Tokenize `prompt` and check it with `params` against the engine's limits (length, vocabulary, logprobs):
+        the one check of a request before it is queued. A ValueError names the offending field."""
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        self.engine_core.validate(token_ids, params)
+        return ValidatedPrompt(text, token_ids, params)
+
+    def worker_extension_methods(self) -> set[str]:
+        """The methods of `worker_extension_cls` that collective_rpc may call by name."""
+        return extension_methods(self.engine_core.worker)
+
+
+class LLM(EngineFrontEnd):
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -83,18 +101,17 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
-        # Tokenize and validate everything before queueing anything, so a bad prompt leaves the engine untouched.
-        tokenized = [tokenize_prompt(self.tokenizer, p) for p in prompts]
-        for (_, ids), params in zip(tokenized, params_list, strict=True):
-            self.engine_core.validate(ids, params)
+        # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
+        validated = [self.validate_prompt(p, params) for p, params in zip(prompts, params_list, strict=True)]
         order: dict[str, int] = {}
         try:
-            for (text, ids), params in zip(tokenized, params_list, strict=True):
+            for prompt in validated:
                 request_id = str(next(self._ids))
                 order[request_id] = len(order)
-                params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                for child_id, child_params in self.output_processor.add_request(request_id, text, ids, params):
-                    self.engine_core.add_request(child_id, ids, child_params)
+                params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
+                children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
+                for child_id, child_params in children:
+                    self.engine_core.add_request(child_id, prompt.token_ids, child_params)
             return self._run_to_completion(order, use_tqdm)
         except BaseException:
             # Whatever failed (or Ctrl-C), leave no request of this call behind in the engine.

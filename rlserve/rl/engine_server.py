@@ -4,7 +4,6 @@ trainer in a subprocess of its own, and the trainer's clients for it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import socket
@@ -16,6 +15,7 @@ from types import TracebackType
 
 import httpx
 
+from rlserve.engine.args import engine_flags
 from rlserve.rl.client import AsyncRLServeClient
 
 ENGINE_START_TIMEOUT_S = 300.0
@@ -58,10 +58,11 @@ class EngineServer:
         command = [
             sys.executable, "-m", "rlserve.cli", "serve", self.model_dir,
             "--host", "127.0.0.1", "--port", str(self.port), "--api-key", self.api_key, "--enable-rl-api",
-            "--weight-transfer-config", json.dumps({"backend": self.backend}),
-            "--device", self.device, "--dtype", "float32",
-            # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
-            "--logprobs-mode", "processed_logprobs",
+            *engine_flags(
+                weight_transfer_config={"backend": self.backend}, device=self.device, dtype="float32",
+                # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
+                logprobs_mode="processed_logprobs",
+            ),
             "--log-level", "warning",
         ]  # fmt: skip
         env = dict(os.environ)

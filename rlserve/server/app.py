@@ -16,7 +16,6 @@ import secrets
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -26,8 +25,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
+from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.llm import tokenize_prompt
+from rlserve.engine.llm import PromptType, ValidatedPrompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.metrics import ServerMetrics
@@ -86,12 +86,6 @@ def make_auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
     return check_api_key
-
-
-@dataclass
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
 
 
 class _Usage:
@@ -154,33 +148,37 @@ class OpenAIServing:
                 404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).", "model"
             )
 
-    def _validate(self, prompts: list[_Prompt], params: SamplingParams, rename: Mapping[str, str]) -> None:
+    def _validate(
+        self, prompts: list[PromptType], params: SamplingParams, rename: Mapping[str, str]
+    ) -> list[ValidatedPrompt]:
         """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts)."""
-        max_model_len = self.engine.engine_core.max_model_len
-        for p in prompts:
+        max_model_len = self.engine.max_model_len
+        validated = []
+        for prompt in prompts:
             try:
-                self.engine.engine_core.validate(p.token_ids, params)
+                checked = self.engine.validate_prompt(prompt, params)
             except ValueError as e:
                 raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
             # The engine would silently cut such a request short; OpenAI and vLLM refuse it.
-            if params.max_tokens is not None and len(p.token_ids) + params.max_tokens > max_model_len:
+            if params.max_tokens is not None and len(checked.token_ids) + params.max_tokens > max_model_len:
                 param = rename.get("max_tokens", "max_tokens")
                 raise APIError(
                     400,
                     f"{param}: this model's maximum context length is {max_model_len} tokens, but "
-                    f"{len(p.token_ids)} prompt tokens + {params.max_tokens} completion tokens were requested",
+                    f"{len(checked.token_ids)} prompt tokens + {params.max_tokens} completion tokens were requested",
                     param,
                 )
+            validated.append(checked)
+        return validated
 
     async def _generate(
-        self, request_id: str, prompts: list[_Prompt], params: SamplingParams
+        self, request_id: str, prompts: list[ValidatedPrompt]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine outputs of every prompt of one API request, tagged with the prompt's index."""
-        inputs = [{"prompt": p.text, "prompt_token_ids": p.token_ids} for p in prompts]
         if len(prompts) == 1:
             self.active[request_id] = [request_id]
             try:
-                async with aclosing(self.engine.generate(inputs[0], params, request_id)) as outputs:
+                async with aclosing(self.engine.generate(prompts[0], request_id=request_id)) as outputs:
                     async for out in outputs:
                         yield 0, out
             finally:
@@ -192,7 +190,7 @@ class OpenAIServing:
 
         async def pump(i: int) -> None:
             try:
-                async with aclosing(self.engine.generate(inputs[i], params, engine_ids[i])) as outputs:
+                async with aclosing(self.engine.generate(prompts[i], request_id=engine_ids[i])) as outputs:
                     async for out in outputs:
                         queue.put_nowait((i, out, None))
             except Exception as e:
@@ -213,11 +211,9 @@ class OpenAIServing:
                 task.cancel()
             self.active.pop(request_id, None)
 
-    async def _final_outputs(
-        self, request_id: str, prompts: list[_Prompt], params: SamplingParams
-    ) -> list[RequestOutput]:
+    async def _final_outputs(self, request_id: str, prompts: list[ValidatedPrompt]) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async with aclosing(self._generate(request_id, prompts, params)) as outputs:
+        async with aclosing(self._generate(request_id, prompts)) as outputs:
             async for i, out in outputs:
                 finals[i] = out
         return finals
@@ -279,13 +275,10 @@ class OpenAIServing:
         rename = {"prompt_token_ids": "prompt"}
         try:
             params = req.sampling_params()
-            prompts = [
-                _Prompt(*tokenize_prompt(self.engine.tokenizer, p if isinstance(p, str) else {"prompt_token_ids": p}))
-                for p in req.prompts()
-            ]
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
-        self._validate(prompts, params, rename)
+        engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in req.prompts()]
+        prompts = self._validate(engine_prompts, params, rename)
         request_id = new_id("cmpl")
         fmt = TokenFormatter(req.return_tokens_as_token_ids)
         n = params.n
@@ -319,12 +312,10 @@ class OpenAIServing:
             def usage_chunk(usage: UsageInfo) -> BaseModel:
                 return CompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
 
-            body = self._stream(
-                self._generate(request_id, prompts, params), n, req.include_usage, chunk, usage_chunk, []
-            )
+            body = self._stream(self._generate(request_id, prompts), n, req.include_usage, chunk, usage_chunk, [])
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, params))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         usage = _Usage()
@@ -351,7 +342,7 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+    def _chat_prompt(self, req: ChatCompletionRequest) -> PromptType:
         tokenizer = self.engine.tokenizer
         try:
             text = tokenizer.apply_chat_template(
@@ -365,7 +356,7 @@ class OpenAIServing:
         except Exception as e:  # jinja errors, or a tokenizer without a chat template
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from e
         # The template already placed any special tokens (BOS, role markers): do not add them a second time.
-        return _Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
+        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
@@ -376,8 +367,7 @@ class OpenAIServing:
             params = req.sampling_params()
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
-        prompt = self._chat_prompt(req)
-        self._validate([prompt], params, rename)
+        prompts = self._validate([self._chat_prompt(req)], params, rename)
         request_id = new_id("chatcmpl")
         fmt = TokenFormatter(req.return_tokens_as_token_ids)
         top_k = params.logprobs or 0
@@ -421,11 +411,11 @@ class OpenAIServing:
                 for i in range(params.n)
             ]
             body = self._stream(
-                self._generate(request_id, [prompt], params), params.n, req.include_usage, chunk, usage_chunk, roles
+                self._generate(request_id, prompts), params.n, req.include_usage, chunk, usage_chunk, roles
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, [prompt], params))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals
@@ -508,7 +498,7 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 
     @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)
     async def models() -> ModelList:
-        card = ModelCard(id=served_model_name, root=engine.model_name, max_model_len=engine.engine_core.max_model_len)
+        card = ModelCard(id=served_model_name, root=engine.model_name, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], responses=errors)
@@ -529,8 +519,6 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
-
-    from rlserve.cli import engine_kwargs
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if args.enable_rl_api and not api_key:
@@ -555,8 +543,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    from rlserve.cli import add_engine_arguments
-
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server, with optional RL control routes")
     serve.add_argument("model", help="Hugging Face model directory")
     serve.add_argument("--host", default="127.0.0.1")

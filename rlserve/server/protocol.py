@@ -272,7 +272,9 @@ class CompletionResponseChoice(_ChoiceExtras):
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
+class _CompletionBody(BaseModel):
+    """OpenAI gives a completion and each chunk of a streamed one the same shape."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=now)
@@ -281,13 +283,12 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
+class CompletionResponse(_CompletionBody):
+    pass
+
+
+class CompletionStreamResponse(_CompletionBody):
+    """One SSE chunk: a choice's new text, or (last, with include_usage) no choice and the usage."""
 
 
 class ChatTopLogprob(BaseModel):

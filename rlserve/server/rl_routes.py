@@ -17,8 +17,6 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.core import PAUSE_MODES
-from rlserve.engine.worker.extension import extension_methods
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -83,11 +81,10 @@ def build_rl_router(
     async def pause(
         mode: str = "abort", clear_cache: bool = True, wait_for_inflight_requests: bool | None = None
     ) -> dict[str, str]:
-        if wait_for_inflight_requests is not None:  # vLLM's deprecated spelling of mode=wait
-            mode = "wait" if wait_for_inflight_requests else mode
-        if mode not in PAUSE_MODES:
-            raise APIError(400, f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "query.mode")
-        await _engine_call(engine.pause_generation(mode=mode, clear_cache=clear_cache), "query.mode")
+        pause_call = engine.pause_generation(
+            mode=mode, clear_cache=clear_cache, wait_for_inflight_requests=wait_for_inflight_requests
+        )
+        await _engine_call(pause_call, "query.mode")
         metrics.generation_paused()
         return {"status": "paused"}
 
@@ -163,7 +160,7 @@ def build_rl_router(
         # names code the operator installed, it cannot reach into the engine.
         body = await _json_body(request, required=True)
         method = _field(body, "method", str, required=True)
-        allowed = extension_methods(engine.engine_core.worker)
+        allowed = engine.worker_extension_methods()
         if method not in allowed:
             message = f"method: {method!r} is not a method of the worker extension (callable: {sorted(allowed)})"
             raise APIError(400, message, "method")

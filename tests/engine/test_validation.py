@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file, save_file
 
-from rlserve import LLM, SamplingParams
+from rlserve import LLM, RequestOutput, SamplingParams
+from rlserve.engine.async_llm import AsyncLLM
 
 MAX_MODEL_LEN = 64
 GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -210,3 +212,67 @@ def test_checkpoint_missing_a_tensor(qwen3_dir, tmp_path: Path) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="up_proj"):
         LLM(str(path))
+
+
+def count_checks(engine: LLM | AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The prompts the engine's one request check sees, in order."""
+    checked: list[list[int]] = []
+    check = engine.engine_core.validate
+
+    def counting_check(prompt_token_ids: list[int], params: SamplingParams) -> None:
+        checked.append(prompt_token_ids)
+        check(prompt_token_ids, params)
+
+    monkeypatch.setattr(engine.engine_core, "validate", counting_check)
+    return checked
+
+
+def test_each_prompt_is_checked_once(llm, generate, monkeypatch) -> None:
+    checked = count_checks(llm, monkeypatch)
+    generate(llm, ["one", "two"], SamplingParams(n=2, max_tokens=2))
+    assert len(checked) == 2
+
+
+def test_async_engine_checks_once_and_names_the_field(qwen3_dir, monkeypatch) -> None:
+    engine = AsyncLLM(str(qwen3_dir), num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+    checked = count_checks(engine, monkeypatch)
+
+    async def outputs(prompt: Any, params: SamplingParams | None = None) -> list[RequestOutput]:
+        return [out async for out in engine.generate(prompt, params)]
+
+    async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
+        assert engine.max_model_len == MAX_MODEL_LEN
+        assert engine.worker_extension_methods() == set()
+        with pytest.raises(ValueError, match=r"^prompt_token_ids\b"):
+            engine.validate_prompt({"prompt_token_ids": [1, 10_000]}, GOOD)
+        validated = engine.validate_prompt("fine", GOOD)
+        assert validated.token_ids and validated.params is GOOD
+        assert (await outputs(validated))[-1].finished
+        assert len(checked) == 2  # validate_prompt's; generate did not check the validated prompt again
+        with pytest.raises(ValueError, match=r"^sampling_params\b"):
+            await outputs(validated, SamplingParams(max_tokens=3))
+        await outputs("also fine", GOOD)
+        assert len(checked) == 3
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "later"}, {"mode": "sometimes", "wait_for_inflight_requests": False}])
+def test_bad_pause_mode_is_named_and_changes_nothing(qwen3_dir, kwargs: dict[str, Any]) -> None:
+    engine = AsyncLLM(str(qwen3_dir), num_kv_blocks=64)
+
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match=r"^mode: pause mode must be one of \['abort', 'wait', 'keep'\]"):
+            await engine.pause_generation(**kwargs)
+        assert not await engine.is_paused()
+        # vLLM's deprecated spelling of mode="wait" (nothing in flight: it returns at once).
+        await engine.pause_generation(wait_for_inflight_requests=True)
+        assert await engine.is_paused()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()

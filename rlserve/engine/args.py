@@ -1,0 +1,164 @@
+"""Engine arguments: the command-line flags of every `EngineConfig` field, and the config built from keywords.
+
+The flags are derived from the fields (name, type, default, and `help`/`choices` in their metadata), so the CLI,
+the server, the demo and the benchmarks offer every engine option under one spelling each: `--max-num-seqs` for
+`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field. Other spellings (today's, and
+vLLM's later) are one line each in `FLAG_ALIASES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rlserve.config import EngineConfig, WeightTransferConfig
+
+VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+# Not a flag: `rlserve serve` takes the model as a positional argument, `rlserve generate` as an optional one.
+NOT_FLAGS = frozenset({"model"})
+
+
+TAKES_ARGUMENT: Any = object()  # FlagAlias.value of an alias that takes the field's argument
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagAlias:
+    """Another spelling of a field's flag: with a `value` it is a switch that sets it, else it takes an argument."""
+
+    flag: str
+    field: str
+    value: Any = TAKES_ARGUMENT
+
+
+# The derived names already cover today's --no-async-scheduling and --batch-invariant.
+FLAG_ALIASES: tuple[FlagAlias, ...] = (FlagAlias("--no-prefix-caching", "enable_prefix_caching", False),)
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    """The EngineConfig fields that are command-line flags."""
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_FLAGS]
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str, Any] | None = None) -> None:
+    """Add a flag for every engine field (and its aliases). A flag not given stays out of the namespace, so that
+    EngineConfig's defaults and vLLM's environment switches (see make_engine_config) apply; `defaults` overrides
+    that for a caller with other defaults (a benchmark's larger batches), which then always pass."""
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - {f.name for f in engine_fields()})
+    if unknown:
+        raise ValueError(f"defaults: {unknown} are not engine fields")
+    group = parser.add_argument_group("engine", "EngineConfig fields (rlserve.config)")
+    hints = typing.get_type_hints(EngineConfig)
+    spellings: dict[str, list[str]] = {}  # field -> its aliases that take an argument
+    for alias in FLAG_ALIASES:
+        if alias.value is TAKES_ARGUMENT:
+            spellings.setdefault(alias.field, []).append(alias.flag)
+    for f in engine_fields():
+        help_text = f.metadata["help"]
+        if "default:" not in help_text:  # some helps say what the default means better than its value would
+            help_text += f" (default: {_shown(defaults.get(f.name, f.default))})"
+        options: dict[str, Any] = dict(
+            dest=f.name,
+            default=defaults[f.name] if f.name in defaults else argparse.SUPPRESS,
+            help=help_text,
+            **_value_options(f, hints[f.name]),
+        )
+        group.add_argument(flag_name(f.name), *spellings.get(f.name, []), **options)
+    for alias in FLAG_ALIASES:
+        if alias.value is not TAKES_ARGUMENT:
+            group.add_argument(
+                alias.flag,
+                dest=alias.field,
+                action="store_const",
+                const=alias.value,
+                default=argparse.SUPPRESS,
+                help=f"sets {alias.field} to {_shown(alias.value)}",
+            )
+
+
+def _value_options(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    """argparse's `type`/`action`/`choices`/`metavar` for a field of type `hint` (`X | None` is `X`)."""
+    value_type = _without_none(hint)
+    choices = f.metadata.get("choices")
+    if value_type is bool:
+        return dict(action=argparse.BooleanOptionalAction)
+    if value_type in (int, float):
+        return dict(type=value_type)
+    if value_type is str or typing.get_origin(value_type) is typing.Literal:
+        return dict(type=str, choices=choices) if choices else dict(type=str)
+    if dataclasses.is_dataclass(value_type):
+        return dict(type=_json_parser(value_type), metavar="JSON")
+    raise TypeError(f"EngineConfig.{f.name}: no command-line form for type {hint!r}; teach engine.args one")
+
+
+def _without_none(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (value_type,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return value_type
+    return hint
+
+
+def _json_parser(cls: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, got {text!r}")
+        return cls(**value)
+
+    parse.__name__ = f"JSON {cls.__name__}"  # argparse names the type in its error message
+    return parse
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if dataclasses.is_dataclass(value):
+        return json.dumps(dataclasses.asdict(value))
+    return str(value)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine keywords of a parsed namespace: only the flags given (or defaulted by the caller)."""
+    given = vars(args)
+    return {f.name: given[f.name] for f in engine_fields() if f.name in given}
+
+
+def engine_flags(**kwargs: Any) -> list[str]:
+    """Command-line flags for engine keywords (the inverse of engine_kwargs), to start `rlserve serve`."""
+    hints = typing.get_type_hints(EngineConfig)
+    flags: list[str] = []
+    for name, value in kwargs.items():
+        if name in NOT_FLAGS or name not in hints:
+            raise ValueError(f"{name}: not an engine flag")
+        if _without_none(hints[name]) is bool:
+            flags.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+        elif isinstance(value, dict) or dataclasses.is_dataclass(value):
+            flags += [flag_name(name), json.dumps(value if isinstance(value, dict) else dataclasses.asdict(value))]
+        else:
+            flags += [flag_name(name), str(value)]
+    return flags
+
+
+def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+    wt = kwargs.get("weight_transfer_config")
+    if isinstance(wt, dict):
+        kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
+    # vLLM turns batch invariance on by environment; scripts written for it set this before building the engine.
+    if "batch_invariant" not in kwargs and os.environ.get(VLLM_BATCH_INVARIANT_ENV) == "1":
+        kwargs["batch_invariant"] = True
+    return EngineConfig(model=model, **kwargs)
