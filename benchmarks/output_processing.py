@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from rlserve.engine.core import EngineCoreOutput
+from rlserve.engine.messages import EngineCoreOutput
 from rlserve.engine.output_processor import OutputProcessor
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 from rlserve.toy import make_tokenizer

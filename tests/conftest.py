@@ -130,10 +130,15 @@ def hf() -> HFReference:
     return HFReference()
 
 
-def build_llm(path: str | Path, **kwargs: Any) -> LLM:
-    """An LLM with a small KV cache unless the test sizes it: the CPU default would allocate 1 GiB."""
+def build_llm(path: str | Path, in_process: bool = False, **kwargs: Any) -> LLM:
+    """An LLM with a small KV cache unless the test sizes it: the CPU default would allocate 1 GiB. The core runs in
+    its own process, as by default; `in_process=True` for tests that inspect the core's internals (`engine_core`)."""
     kwargs.setdefault("num_kv_blocks", KV_BLOCKS)
-    return LLM(str(path), **kwargs)
+    if not in_process:
+        return LLM(str(path), **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RLSERVE_ENABLE_MULTIPROCESSING", "0")
+        return LLM(str(path), **kwargs)
 
 
 def run_generate(
@@ -142,10 +147,9 @@ def run_generate(
     """llm.generate, then check the engine is left clean: no request in flight and every KV block back."""
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(isinstance(o, RequestOutput) and o.finished for o in outputs)
-    core = llm.engine_core
-    assert not core.has_unfinished_requests()
-    assert not core.scheduler.running and not core.scheduler.waiting
-    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_cache_free_blocks"] == stats["kv_cache_blocks"]
     return outputs
 
 

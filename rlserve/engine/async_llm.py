@@ -1,8 +1,9 @@
-"""AsyncLLM: the asyncio front end. The engine core runs in one background thread; the event loop never waits on it.
+"""AsyncLLM: the asyncio front end. The engine core runs in its own process (or, in-process mode, on a thread of
+this one); the event loop never waits on a step.
 
-Everything that touches the core (adding and aborting requests, stepping, pausing, weight updates) runs on the core
-thread in order, so a weight update can never overlap a forward pass. Outputs come back to the event loop through
-`call_soon_threadsafe`, in order, which is what makes "abort ends the streams before pause returns" hold.
+Requests and control calls go to the core as typed messages; the core handles them in order between steps, so a
+weight update never overlaps a forward pass. Outputs come back in order on the event loop, and a control call's
+result comes after the outputs it caused, which is what makes "abort ends the streams before pause returns" hold.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
-import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlserve.engine.core import EngineCore, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.core import resolve_pause_mode
+from rlserve.engine.core_client import AsyncMPClient, EngineDeadError, make_async_client
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
+from rlserve.engine.messages import EngineCoreOutput
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams
 
@@ -35,80 +37,38 @@ class _Stream:
 
 
 class AsyncLLM(EngineFrontEnd):
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, *, core_address: str | None = None, core_pid: int | None = None, **kwargs: Any):
+        """`core_address`/`core_pid`: connect to an engine core another process started (the API servers of
+        `rlserve serve --api-server-count N` share one) instead of starting one."""
         super().__init__(model, **kwargs)
+        if core_address is not None:
+            self.client = AsyncMPClient(address=core_address, pid=core_pid)
+        else:
+            self.client = make_async_client(self.config)
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        self.client.on_outputs = self._on_core_outputs
+        self.client.on_dead = self._on_core_dead
+        self._connected(self.client.engine_info)
         self.model_name = model
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wait_pauses: list[tuple[Callable[[], None], bool]] = []  # (resolve, clear_cache) for pause(mode="wait")
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stopped = threading.Event()
-        self.error: BaseException | None = None  # set when a step failed; the engine then refuses new work
-        self._thread = threading.Thread(target=self._core_loop, name="rlserve-engine-core", daemon=True)
-        self._thread.start()
-
-    # ---- the core thread ----
-
-    def _core_loop(self) -> None:
-        core = self.engine_core
-        while not self._stopped.is_set():
-            try:
-                block = not core.has_work() and not self._wait_pauses
-                command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-            except queue.Empty:
-                command = None
-            if command is not None:
-                command()
-                continue  # take every queued command before the next step
-            if core.has_work():
-                try:
-                    outputs = core.step()
-                except BaseException as e:  # a failing forward must reach the callers, not kill the thread silently
-                    logger.exception("engine step failed")
-                    self.error = e
-                    outputs = core.abort_requests(list(core.requests))
-                self._deliver(outputs)
-            if self._wait_pauses and core.num_in_flight == 0:
-                self._end_wait_pauses(clear_cache=True)
-
-    def _end_wait_pauses(self, clear_cache: bool) -> None:
-        """Return every pending pause(mode="wait"); clear the cache first if one asked and `clear_cache` allows."""
-        pauses, self._wait_pauses = self._wait_pauses, []
-        if clear_cache and any(clear for _, clear in pauses):
-            self.engine_core.clear_cache()
-        for resolve, _ in pauses:
-            resolve()
-
-    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
-        if outputs and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._on_core_outputs, outputs)
-
-    async def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run fn(core) on the core thread between steps and return its result (or raise its exception)."""
-        loop = self._bind_loop()
-        future = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn(self.engine_core)
-            except BaseException as e:
-                loop.call_soon_threadsafe(_set_exception, future, e)
-            else:
-                loop.call_soon_threadsafe(_set_result, future, result)
-
-        self._commands.put(command)
-        return await future
+        self.error: BaseException | None = None  # set when the core died; every call then fails with it
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
+            self.client.bind(loop)
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to another event loop")
         return loop
 
-    # ---- the event loop ----
+    async def _call(self, method: str, *args: Any) -> Any:
+        self._bind_loop()
+        return await self.client.call(method, *args)
+
+    # ---- outputs ----
 
     def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         results, to_abort = self.output_processor.process(outputs)
@@ -117,7 +77,12 @@ class AsyncLLM(EngineFrontEnd):
             if stream is not None:
                 stream.queue.put_nowait(out)
         if to_abort:
-            self._commands.put(lambda: self.engine_core.abort_requests(to_abort))
+            self.client.abort(to_abort)
+
+    def _on_core_dead(self, reason: str) -> None:
+        self.error = EngineDeadError(reason)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(self.error)
 
     async def generate(
         self,
@@ -129,7 +94,7 @@ class AsyncLLM(EngineFrontEnd):
         A prompt from `validate_prompt` is queued as it is, with the params it was checked with."""
         self._bind_loop()
         if self.error is not None:
-            raise RuntimeError(f"the engine failed earlier: {self.error!r}")
+            raise EngineDeadError(f"the engine failed earlier: {self.error}")
         if not isinstance(prompt, ValidatedPrompt):
             prompt = self.validate_prompt(prompt, sampling_params or SamplingParams())
         elif sampling_params is not None and sampling_params is not prompt.params:
@@ -138,17 +103,14 @@ class AsyncLLM(EngineFrontEnd):
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         stream = self._streams[request_id] = _Stream()
-        ids = prompt.token_ids
-        children = self.output_processor.add_request(request_id, prompt.text, ids, prompt.params)
-
-        def add(core: EngineCore) -> None:
-            for child_id, child_params in children:
-                core.add_request(child_id, ids, child_params)
-
+        children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
+        child_ids = [c for c, _ in children]
         try:
-            await self._call(add)
+            self.client.add(child_ids, prompt.token_ids, [p for _, p in children])
             while True:
-                out: RequestOutput = await stream.queue.get()
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
                 yield out
                 if out.finished:
                     break
@@ -157,14 +119,14 @@ class AsyncLLM(EngineFrontEnd):
             stream.done.set()
             if request_id in self.output_processor.states:  # the consumer left early: stop the work
                 self.output_processor.abort(request_id)
-                child_ids = [c for c, _ in children]
-                self._commands.put(lambda: self.engine_core.abort_requests(child_ids))
+                self.client.abort(child_ids)
 
     async def abort(self, request_id: str | list[str]) -> None:
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
-        # The core's outputs first: they carry tokens it held back for final-only requests.
-        self._on_core_outputs(await self._call(lambda core: core.abort_requests(child_ids)))
+        # The core's outputs first (they arrive before the call returns): they carry tokens it held back for
+        # final-only requests.
+        await self._call("abort_requests", child_ids)
         for rid in request_ids:
             out = self.output_processor.abort(rid)
             stream = self._streams.get(rid)
@@ -180,20 +142,8 @@ class AsyncLLM(EngineFrontEnd):
         new, return when the requests in flight have finished (then clear the cache if asked) or when a resume ends
         the pause first (the cache is then left as it is). keep: freeze everything where it is."""
         mode = resolve_pause_mode(mode, wait_for_inflight_requests)
-        affected = [s for s in self._streams.values()]
-        if mode == "wait":
-            loop = self._bind_loop()
-            done = loop.create_future()
-
-            def start_wait(core: EngineCore) -> None:
-                core.pause("wait", clear_cache=False)
-                self._wait_pauses.append((lambda: loop.call_soon_threadsafe(_set_result, done, None), clear_cache))
-
-            await self._call(start_wait)
-            await done
-        else:
-            outputs = await self._call(lambda core: core.pause(mode, clear_cache))
-            self._on_core_outputs(outputs)
+        affected = list(self._streams.values())
+        await self._call("pause", mode, clear_cache)
         if mode != "keep":
             # Streams that this pause ended are read to their end before pause returns.
             pending = [s.done.wait() for s in affected if not s.done.is_set() and s.queue.qsize()]
@@ -201,90 +151,65 @@ class AsyncLLM(EngineFrontEnd):
                 await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=STREAM_DRAIN_TIMEOUT_S)
 
     async def resume_generation(self) -> None:
-        def resume(core: EngineCore) -> None:
-            core.resume()
-            # A pause(mode="wait") still waiting for its requests is over: it returns now rather than when the
-            # traffic admitted after this resume happens to drain, which under steady load is never.
-            self._end_wait_pauses(clear_cache=False)
-
-        await self._call(resume)
+        await self._call("resume")
 
     async def is_paused(self) -> bool:
-        return self.engine_core.is_paused()
+        return await self._call("is_paused")
 
     # ---- sleep / wake ----
 
     async def sleep(self, level: int = 1) -> None:
         """Free device memory for a colocated trainer (see EngineCore.sleep); requests wait until wake_up."""
-        await self._call(lambda core: core.sleep(level))
+        await self._call("sleep", level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(lambda core: core.wake_up(tags))
+        await self._call("wake_up", tags)
 
     async def is_sleeping(self) -> bool:
-        return self.engine_core.is_sleeping()
+        return await self._call("is_sleeping")
 
     # ---- weights ----
 
     async def init_weight_transfer_engine(self, request) -> None:
-        # The rendezvous blocks until the trainer joins, so it runs on its own thread, not on the core thread.
-        init_info = _field(request, "init_info")
-        await asyncio.to_thread(self.engine_core.init_weight_transfer_engine, init_info)
+        # The rendezvous blocks until the trainer joins: the core runs it on a thread and keeps stepping.
+        await self._call("init_weight_transfer_engine", _field(request, "init_info"))
 
     async def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
-        await self._call(lambda core: core.start_weight_update())
+        await self._call("start_weight_update")
 
     async def update_weights(self, request) -> None:
-        update_info = _field(request, "update_info")
-        await self._call(lambda core: core.update_weights(update_info))
+        await self._call("update_weights", _field(request, "update_info"))
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        await self._call(lambda core: core.finish_weight_update(weight_version))
+        await self._call("finish_weight_update", weight_version)
 
     async def update_weight_version(self, new_version: str) -> None:
-        await self._call(lambda core: setattr(core, "weight_version", str(new_version)))
+        await self._call("update_weight_version", str(new_version))
 
     async def get_weight_version(self) -> str:
-        return self.engine_core.weight_version
+        return await self._call("get_weight_version")
 
     async def weight_checksums(self) -> dict[str, str]:
-        return await self._call(lambda core: core.checksums())
+        return await self._call("checksums")
+
+    async def load_weights(self, weights, reset_prefix_cache: bool = True) -> int:
+        self._bind_loop()
+        return await self.client.load_weights(weights, reset_prefix_cache)
 
     async def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
     ) -> list[Any]:
-        """vLLM's collective_rpc (see LLM.collective_rpc), run on the core thread between steps."""
-        call = self._call(lambda core: core.collective_rpc(method, args, kwargs))
+        """vLLM's collective_rpc (see LLM.collective_rpc), run by the core between steps."""
+        self._bind_loop()
+        call = self.client.collective_rpc(method, args, kwargs)
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
     async def reset_prefix_cache(self) -> None:
-        await self._call(lambda core: core.reset_prefix_cache())
+        await self._call("reset_prefix_cache")
 
-    def stats(self) -> dict[str, Any]:
-        """A snapshot for metrics; plain reads of counters the core thread owns."""
-        core = self.engine_core
-        return dict(
-            num_running=len(core.scheduler.running),
-            num_waiting=len(core.scheduler.waiting),
-            num_generated_tokens=core.num_generated_tokens,
-            kv_cache_usage=core.kv_cache.usage,
-            prefix_cache_queries=core.kv_cache.prefix_queries,
-            prefix_cache_hits=core.kv_cache.prefix_hits,
-            is_paused=core.is_paused(),
-            weight_version=core.weight_version,
-        )
+    async def stats(self) -> dict[str, Any]:
+        """A snapshot of the core's counters for metrics."""
+        return await self._call("stats")
 
     def shutdown(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=10)
-        self.engine_core.shutdown()
-
-
-def _set_result(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+        self._finalizer()

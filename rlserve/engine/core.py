@@ -15,6 +15,7 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
+from rlserve.engine.messages import EngineCoreOutput
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.worker.extension import call as call_worker
@@ -37,20 +38,6 @@ def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
     return mode
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one step adds to one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[PositionLogprobsData | None]
-    new_prompt_logprobs: list[PositionLogprobsData] | None
-    weight_version: str
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -100,28 +87,6 @@ class EngineCore:
         self.num_steps = 0
 
     # ---- requests ----
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The engine's limits on a request; front ends check with it before add_request (see validate_prompt)."""
-        if not prompt_token_ids:
-            raise ValueError("prompt: the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > min(self.config.max_logprobs, self.vocab_size):
-                raise ValueError(
-                    f"{name}: {k} is above the engine's limit min(max_logprobs, vocab size) = "
-                    f"{min(self.config.max_logprobs, self.vocab_size)}"
-                )
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {self.vocab_size}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`."""
@@ -415,13 +380,18 @@ class EngineCore:
         with self.runner.on_device():
             return [call_worker(self.worker, method, tuple(args), dict(kwargs or {}))]
 
-    def load_weights_direct(self, weights) -> int:
-        """Write checkpoint-format tensors straight into the model (the trainer shares this process)."""
+    def load_weights_direct(self, weights, reset_prefix_cache: bool = True) -> int:
+        """Write checkpoint-format tensors straight into the model. `reset_prefix_cache=False` keeps KV computed
+        under the old weights servable (only a tool that demonstrates stale KV wants that)."""
         self._drain()
         self._require_weights("load_weights")
         written = self.runner.load_weights(weights)
-        self.kv_cache.reset_prefix_cache()
+        if reset_prefix_cache:
+            self.kv_cache.reset_prefix_cache()
         return written
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
 
     def checksums(self) -> dict[str, str]:
         self._drain()

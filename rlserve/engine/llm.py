@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlserve.engine.args import make_engine_config
-from rlserve.engine.core import EngineCore
+from rlserve.engine.core_client import EngineDeadError, make_client
+from rlserve.engine.limits import EngineLimits
 from rlserve.engine.output_processor import OutputProcessor
-from rlserve.engine.worker.extension import extension_methods
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from rlserve.engine.core import EngineCore
 
 PromptType = str | dict[str, Any]
 
@@ -49,37 +54,56 @@ class ValidatedPrompt:
 
 
 class EngineFrontEnd:
-    """What LLM and AsyncLLM share: the engine core they drive and the facts and checks that their callers (the
-    server, the CLI) read through them rather than from the core. These read only what is fixed at start-up, so
-    any thread may call them."""
+    """What LLM and AsyncLLM share: configuration, tokenizer, output processing, and the facts and checks that
+    their callers (the server, the CLI) read through them. The engine core itself runs behind a client (in its own
+    process by default); these read only what is fixed at start-up, so any thread may call them."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = make_engine_config(model, **kwargs)
-        self.engine_core = EngineCore(self.config)
         self.tokenizer = load_tokenizer(model)
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _connected(self, engine_info: dict[str, Any]) -> None:
+        """Take in what the core reported when this front end connected."""
+        self.limits = EngineLimits(engine_info["max_model_len"], engine_info["vocab_size"], engine_info["max_logprobs"])
+        self._extension_methods = set(engine_info["worker_extension_methods"])
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence, prompt and output, the engine serves."""
-        return self.engine_core.max_model_len
+        return self.limits.max_model_len
 
     def validate_prompt(self, prompt: PromptType, params: SamplingParams) -> ValidatedPrompt:
         """Tokenize `prompt` and check it with `params` against the engine's limits (length, vocabulary, logprobs):
         the one check of a request before it is queued. A ValueError names the offending field."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        self.engine_core.validate(token_ids, params)
+        self.limits.check(token_ids, params)
         return ValidatedPrompt(text, token_ids, params)
 
     def worker_extension_methods(self) -> set[str]:
         """The methods of `worker_extension_cls` that collective_rpc may call by name."""
-        return extension_methods(self.engine_core.worker)
+        return set(self._extension_methods)
 
 
 class LLM(EngineFrontEnd):
     def __init__(self, model: str, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
+        self.client = make_client(self.config)
+        # Garbage collection or interpreter exit stops the core process too: no orphan outlives its LLM.
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
+        self._connected(self.client.engine_info)
         self._ids = itertools.count()
+
+    @property
+    def engine_core(self) -> EngineCore:
+        """The core object itself, for tests and tools of its internals; only when it runs in this process."""
+        service = getattr(self.client, "service", None)
+        if service is None:
+            raise AttributeError(
+                "engine_core: the engine core runs in its own process; set RLSERVE_ENABLE_MULTIPROCESSING=0 to "
+                "keep it in this one"
+            )
+        return service.core
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -90,8 +114,6 @@ class LLM(EngineFrontEnd):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if self.engine_core.is_sleeping():
-            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -103,6 +125,8 @@ class LLM(EngineFrontEnd):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         validated = [self.validate_prompt(p, params) for p, params in zip(prompts, params_list, strict=True)]
+        if self.client.call("is_sleeping"):
+            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
         order: dict[str, int] = {}
         try:
             for prompt in validated:
@@ -110,27 +134,36 @@ class LLM(EngineFrontEnd):
                 order[request_id] = len(order)
                 params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
                 children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
-                for child_id, child_params in children:
-                    self.engine_core.add_request(child_id, prompt.token_ids, child_params)
+                self.client.add([c for c, _ in children], prompt.token_ids, [p for _, p in children])
             return self._run_to_completion(order, use_tqdm)
         except BaseException:
             # Whatever failed (or Ctrl-C), leave no request of this call behind in the engine.
             for request_id in order:
-                self.engine_core.abort_requests(self.output_processor.child_ids(request_id))
+                child_ids = self.output_processor.child_ids(request_id)
+                if child_ids:
+                    with contextlib.suppress(EngineDeadError):
+                        self.client.abort(child_ids)
                 self.output_processor.abort(request_id)
             raise
 
     def _run_to_completion(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
+        remaining = len(order)
+        num_tokens = 0
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req", dynamic_ncols=True) as bar:
-            while self.engine_core.has_unfinished_requests():
-                outputs, to_abort = self.output_processor.process(self.engine_core.step())
+            while remaining:
+                outputs, to_abort = self.output_processor.process(self.client.get_outputs())
                 if to_abort:
-                    self.engine_core.abort_requests(to_abort)
+                    self.client.abort(to_abort)
                 for out in outputs:
-                    results[order[out.request_id]] = out
+                    index = order.get(out.request_id)
+                    if index is None:  # a late output of an earlier call's aborted request
+                        continue
+                    results[index] = out
+                    remaining -= 1
+                    num_tokens += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
-                bar.set_postfix(tokens=self.engine_core.num_generated_tokens, refresh=False)
+                bar.set_postfix(tokens=num_tokens, refresh=False)
         return results
 
     # ---- sleep / wake, vLLM's names ----
@@ -138,54 +171,59 @@ class LLM(EngineFrontEnd):
     def sleep(self, level: int = 1) -> None:
         """Free device memory for a colocated trainer: level 1 moves the weights to host memory and drops the KV
         cache, level 2 drops both (update every weight after waking), level 0 only stops scheduling."""
-        self.engine_core.sleep(level)
+        self.client.call("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back "weights", "kv_cache" and "scheduling" (default: all)."""
-        self.engine_core.wake_up(tags)
+        self.client.call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        return self.engine_core.is_sleeping()
+        return self.client.call("is_sleeping")
 
     # ---- weights, vLLM's names ----
 
     def init_weight_transfer_engine(self, request) -> None:
-        self.engine_core.init_weight_transfer_engine(_field(request, "init_info"))
+        self.client.call("init_weight_transfer_engine", _field(request, "init_info"))
 
     def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
         # vLLM G2 passed is_checkpoint_format=True; rlserve always takes checkpoint-format names.
-        self.engine_core.start_weight_update()
+        self.client.call("start_weight_update")
 
     def update_weights(self, request) -> None:
-        self.engine_core.update_weights(_field(request, "update_info"))
+        self.client.call("update_weights", _field(request, "update_info"))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.engine_core.finish_weight_update(weight_version)
+        self.client.call("finish_weight_update", weight_version)
 
     def update_weight_version(self, new_version: str) -> None:
-        self.engine_core.weight_version = str(new_version)
+        self.client.call("update_weight_version", str(new_version))
 
     def get_weight_version(self) -> str:
-        return self.engine_core.weight_version
+        return self.client.call("get_weight_version")
 
-    def load_weights(self, weights) -> int:
-        return self.engine_core.load_weights_direct(weights)
+    def load_weights(self, weights, reset_prefix_cache: bool = True) -> int:
+        """Write (checkpoint name, tensor) pairs into the engine's model; the prefix cache is emptied unless asked
+        not to (KV computed under the old weights would otherwise be served)."""
+        return self.client.load_weights(weights, reset_prefix_cache)
 
     def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
     ) -> list[Any]:
-        """vLLM's: a worker method's name (see `worker_extension_cls`) or a function called with the worker first;
-        one result per worker. `timeout` is accepted for vLLM's signature (the call runs in this thread)."""
-        return self.engine_core.collective_rpc(method, args, kwargs)
+        """vLLM's: a worker method's name (see `worker_extension_cls`), or, with the core in this process, a
+        function called with the worker first; one result per worker. `timeout` is accepted for vLLM's signature."""
+        return self.client.collective_rpc(method, args, kwargs)
 
     def weight_checksums(self) -> dict[str, str]:
-        return self.engine_core.checksums()
+        return self.client.call("checksums")
 
     def reset_prefix_cache(self) -> None:
-        self.engine_core.reset_prefix_cache()
+        self.client.call("reset_prefix_cache")
+
+    def stats(self) -> dict[str, Any]:
+        return self.client.call("stats")
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self._finalizer()
 
 
 def _field(request, name: str) -> dict:

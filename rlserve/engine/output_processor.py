@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from rlserve.engine.core import EngineCoreOutput
 from rlserve.engine.detokenizer import Detokenizer, find_stop_string, make_detokenizer
+from rlserve.engine.messages import EngineCoreOutput
 from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, PositionLogprobsData, RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -493,7 +493,7 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        body, content_type = metrics.render()
+        body, content_type = await metrics.render()
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)

@@ -19,14 +19,19 @@ from rlserve.engine.async_llm import AsyncLLM
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
-        self.engine = engine
+    """Reports the engine core's counters as of the last `update` (the core lives in another process: reading them
+    is an async call, and prometheus collects synchronously)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.stats: dict | None = None
         self.model_name = model_name
         # Tokens/s is the rate between two scrapes: (time, generated tokens) at the previous one.
         self._last: tuple[float, int] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
+        stats = self.stats
+        if stats is None:
+            return
         labels = ["model_name"]
         values = [self.model_name]
 
@@ -88,8 +93,10 @@ class _Interval:
 
 class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine_collector = _EngineCollector(model_name)
+        self.registry.register(self._engine_collector)
         self._finished = Counter(
             "rlserve_request_success",
             "Finished requests (per choice) by finish reason.",
@@ -134,5 +141,6 @@ class ServerMetrics:
     def generation_resumed(self) -> None:
         self._paused.end()
 
-    def render(self) -> tuple[bytes, str]:
+    async def render(self) -> tuple[bytes, str]:
+        self._engine_collector.stats = await self.engine.stats()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

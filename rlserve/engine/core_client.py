@@ -1,0 +1,402 @@
+"""The front end's clients of the engine core: in a process of its own (the default) or in this process.
+
+`LLM` uses a synchronous client, `AsyncLLM` an asyncio one; each comes in two transports with the same surface:
+`add` and `abort` (fire and forget), `call(method, *args)` for control calls (a typed result or the core's error
+raised again here), and the step outputs (pulled by `get_outputs` or pushed to `on_outputs`). If the core process
+dies, everything pending fails with `EngineDeadError` within a second and every later call does too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from rlserve.config import EngineConfig
+from rlserve.engine.core_proc import CoreProcess, multiprocessing_enabled, pid_alive
+from rlserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Codec,
+    EngineCoreOutput,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    encode_token_ids,
+    unpack_outputs,
+)
+from rlserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_INTERVAL_S = 0.2
+_ERRORS: dict[str, type[BaseException]] = {
+    e.__name__: e for e in (ValueError, RuntimeError, TimeoutError, TypeError, KeyError, NotImplementedError)
+}
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone (its process died, or a step failed): nothing more can run on it."""
+
+
+def raise_for(result: UtilityResult) -> Any:
+    if result.error_type is None:
+        return result.value
+    cls = _ERRORS.get(result.error_type)
+    if cls is None:
+        raise RuntimeError(f"{result.error_type}: {result.error}")
+    raise cls(result.error)
+
+
+def _registered_backends(config: EngineConfig) -> dict[str, str]:
+    """The configured weight-transfer backend as an import path, when the caller registered it by class."""
+    from rlserve.weight_transfer import WeightTransferEngineFactory
+
+    wt = config.weight_transfer_config
+    if wt is None or wt.backend in ("nccl", "ipc") or ":" in wt.backend:
+        return {}
+    try:
+        cls = WeightTransferEngineFactory.get_engine_cls(wt.backend)
+    except ValueError:
+        return {}
+    if cls.__module__ in ("__main__", "__mp_main__"):
+        # The core process imports the main script again (spawn), so a registration at its top level is seen there;
+        # one made inside a function is not, and init_weight_transfer_engine then names the fix.
+        return {}
+    return {wt.backend: f"{cls.__module__}:{cls.__qualname__}"}
+
+
+def _refuse_callable(method: Any) -> None:
+    if callable(method):
+        raise ValueError(
+            "method: the engine core runs in its own process and takes no functions (nothing is pickled); name a "
+            "method of a worker_extension_cls instead, or run in-process with RLSERVE_ENABLE_MULTIPROCESSING=0"
+        )
+
+
+# ---- synchronous: LLM ----
+
+
+class InprocClient:
+    """The core in this process, driven by the caller's thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from rlserve.engine.core import EngineCore
+        from rlserve.engine.core_service import EngineCoreService
+
+        self.service = EngineCoreService(EngineCore(config), self)
+        self._outputs: list[EngineCoreOutput] = []
+        self._results: dict[int, UtilityResult] = {}
+        self._ids = itertools.count(1)
+        self.engine_info = self.call("engine_info")
+
+    def send_outputs(self, client, outputs: list[EngineCoreOutput]) -> None:
+        self._outputs += outputs
+
+    def send_result(self, client, result: UtilityResult) -> None:
+        self._results[result.call_id] = result
+
+    def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
+        self.service.handle(None, AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.service.handle(None, AbortRequests(list(request_ids)))
+
+    def call(self, method: str, *args: Any) -> Any:
+        call_id = next(self._ids)
+        self.service.handle(None, UtilityCall(call_id, method, list(args)))
+        while call_id not in self._results:
+            self.service.run_once()
+        return raise_for(self._results.pop(call_id))
+
+    def get_outputs(self) -> list[EngineCoreOutput]:
+        if not self._outputs:
+            self.service.run_once()
+            if self.service.failure is not None:
+                raise EngineDeadError(f"an engine step failed: {self.service.failure!r}")
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def load_weights(self, weights, reset_prefix_cache: bool) -> int:
+        return self.call("load_weights", list(weights), reset_prefix_cache)
+
+    def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
+        return self.call("collective_rpc", method, list(args), dict(kwargs or {}))
+
+    def shutdown(self) -> None:
+        self.service.core.shutdown()
+
+
+class MPClient:
+    """The core in a process of its own (started here), over a ZMQ DEALER socket."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.process = CoreProcess(config, _registered_backends(config))
+        self.codec = Codec()
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.process.address)
+        self._outputs: list[EngineCoreOutput] = []
+        self._results: dict[int, UtilityResult] = {}
+        self._ids = itertools.count(1)
+        self.dead: str | None = None
+        self.engine_info = self.call("engine_info")
+
+    def _send(self, message) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.socket.send(self.codec.encode(message), copy=False)
+
+    def _receive(self) -> None:
+        """Wait for one message (checking that the core lives) and file it."""
+        while not self.socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
+            if not self.process.is_alive():
+                self.dead = self.process.death_reason()
+                raise EngineDeadError(self.dead)
+        message = self.codec.output_decoder.decode(self.socket.recv(copy=False))
+        if isinstance(message, StepOutputs):
+            self._outputs += unpack_outputs(message)
+        else:
+            self._results[message.call_id] = message
+
+    def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
+        self._send(AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(AbortRequests(list(request_ids)))
+
+    def call(self, method: str, *args: Any) -> Any:
+        call_id = next(self._ids)
+        self._send(UtilityCall(call_id, method, list(args)))
+        while call_id not in self._results:
+            self._receive()
+        return raise_for(self._results.pop(call_id))
+
+    def get_outputs(self) -> list[EngineCoreOutput]:
+        if not self._outputs:
+            self._receive()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def load_weights(self, weights, reset_prefix_cache: bool) -> int:
+        from rlserve.engine.core_service import pack_tensors
+
+        return self.call("load_weights", pack_tensors(weights), reset_prefix_cache)
+
+    def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
+        _refuse_callable(method)
+        return self.call("collective_rpc", method, list(args), dict(kwargs or {}))
+
+    def shutdown(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+        self.process.shutdown()
+
+
+def make_client(config: EngineConfig) -> InprocClient | MPClient:
+    return MPClient(config) if multiprocessing_enabled() else InprocClient(config)
+
+
+# ---- asyncio: AsyncLLM and the API servers ----
+
+
+class AsyncClientBase:
+    """What both asyncio clients share: call ids, pending calls, the callbacks into the front end, and death."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_outputs: Callable[[list[EngineCoreOutput]], None] = lambda outputs: None
+        self.on_dead: Callable[[str], None] = lambda reason: None
+        self.dead: str | None = None
+        self.engine_info: dict[str, Any] = {}
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start delivering on `loop` (the first event loop that uses the engine)."""
+        self.loop = loop
+
+    def _file_result(self, result: UtilityResult) -> None:
+        future = self._pending.pop(result.call_id, None)
+        if future is None or future.done():
+            return
+        try:
+            future.set_result(raise_for(result))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        logger.error("%s", reason)
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self.on_dead(reason)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        self._check_alive()
+        call_id = next(self._ids)
+        future = self._pending[call_id] = self.loop.create_future()
+        self._send(UtilityCall(call_id, method, list(args)))
+        return await future
+
+    def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
+        self._check_alive()
+        self._send(AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.dead is None:
+            self._send(AbortRequests(list(request_ids)))
+
+    def _send(self, message) -> None:
+        raise NotImplementedError
+
+
+class AsyncInprocClient(AsyncClientBase):
+    """The core in this process, on a thread of its own: the event loop never waits on a step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
+        from rlserve.engine.core import EngineCore
+        from rlserve.engine.core_service import EngineCoreService
+
+        self.service = EngineCoreService(EngineCore(config), self)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self.engine_info = self.service.engine_info(None, None)
+        self._thread = threading.Thread(target=self._serve, name="rlserve-engine-core", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        service = self.service
+        while not self._stopped.is_set():
+            try:
+                if not service.busy:
+                    message = self._inbox.get(timeout=0.05)
+                elif service.core.has_work():
+                    message = self._inbox.get_nowait()
+                else:
+                    message = self._inbox.get(timeout=0.005)
+            except queue.Empty:
+                message = None
+            if message is not None:
+                service.handle(None, message)
+                continue  # take every queued message before the next step
+            service.run_once()
+            if service.failure is not None and self.loop is not None:
+                reason = f"an engine step failed: {service.failure!r}"
+                self.loop.call_soon_threadsafe(self._die, reason)
+                return
+
+    def send_outputs(self, client, outputs: list[EngineCoreOutput]) -> None:
+        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
+
+    def send_result(self, client, result: UtilityResult) -> None:
+        self.loop.call_soon_threadsafe(self._file_result, result)
+
+    def _send(self, message) -> None:
+        self._inbox.put(message)
+
+    async def load_weights(self, weights, reset_prefix_cache: bool) -> int:
+        return await self.call("load_weights", list(weights), reset_prefix_cache)
+
+    async def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
+        return await self.call("collective_rpc", method, list(args), dict(kwargs or {}))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=10)
+        self.service.core.shutdown()
+
+
+class AsyncMPClient(AsyncClientBase):
+    """The core in another process: started here (`config`), or already running (`address` and `pid`, as for the
+    API server processes of `--api-server-count N`, which share one core)."""
+
+    def __init__(
+        self, config: EngineConfig | None = None, *, address: str | None = None, pid: int | None = None
+    ) -> None:
+        super().__init__()
+        self.process = CoreProcess(config, _registered_backends(config)) if config is not None else None
+        self.address = self.process.address if self.process is not None else address
+        self.pid = self.process.pid if self.process is not None else pid
+        self.codec = Codec()
+        # The handshake runs on a plain socket before any event loop exists (the constructor is synchronous).
+        with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(self.address)
+            socket.send(self.codec.encode(UtilityCall(0, "engine_info", [])))
+            while not socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
+                if not self._core_alive():
+                    raise EngineDeadError("the engine-core process died before answering")
+            self.engine_info = raise_for(self.codec.output_decoder.decode(socket.recv()))
+        self.context: zmq.asyncio.Context | None = None
+        self.socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def _core_alive(self) -> bool:
+        return self.process.is_alive() if self.process is not None else pid_alive(self.pid)
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().bind(loop)
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.address)
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+
+    async def _read(self) -> None:
+        decode = self.codec.output_decoder.decode
+        while True:
+            message = decode(await self.socket.recv(copy=False))
+            if isinstance(message, StepOutputs):
+                self.on_outputs(unpack_outputs(message))
+            else:
+                self._file_result(message)
+
+    async def _watch(self) -> None:
+        while self._core_alive():
+            await asyncio.sleep(LIVENESS_INTERVAL_S)
+        reason = self.process.death_reason() if self.process is not None else f"the engine core (pid {self.pid}) died"
+        self._die(reason)
+
+    def _send(self, message) -> None:
+        self.socket.send(self.codec.encode(message), copy=False)
+
+    async def load_weights(self, weights, reset_prefix_cache: bool) -> int:
+        from rlserve.engine.core_service import pack_tensors
+
+        return await self.call("load_weights", pack_tensors(weights), reset_prefix_cache)
+
+    async def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
+        _refuse_callable(method)
+        return await self.call("collective_rpc", method, list(args), dict(kwargs or {}))
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.context.term()
+        if self.process is not None:
+            self.process.shutdown()
+
+
+def make_async_client(config: EngineConfig) -> AsyncInprocClient | AsyncMPClient:
+    return AsyncMPClient(config) if multiprocessing_enabled() else AsyncInprocClient(config)
+

@@ -1,0 +1,221 @@
+"""The engine core in a process of its own (vLLM's EngineCoreProc): front ends talk to it over ZMQ.
+
+The core process binds one ROUTER socket; each front end (an `LLM`, an `AsyncLLM`, each API server process) connects
+a DEALER and is told apart by its identity. The busy loop takes every queued message, steps, and sends each front end
+the outputs of its own requests. The API event loop and output processing of the front ends never hold this
+process's GIL, which is what lets the server run at the engine's speed.
+
+`RLSERVE_ENABLE_MULTIPROCESSING=0` (or vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`) keeps the core in the caller's
+process instead, for debugging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+import types
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import zmq
+
+from rlserve.config import EngineConfig
+from rlserve.engine.messages import Codec, EngineCoreOutput, UtilityResult, pack_outputs
+
+logger = logging.getLogger(__name__)
+
+MULTIPROCESSING_ENVS = ("RLSERVE_ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")
+STARTUP_TIMEOUT_S = 600.0  # loading a large model and sizing its KV cache on a busy machine
+IDLE_POLL_MS = 100  # how often an idle core looks at its parent (it exits when the parent is gone)
+BACKGROUND_POLL_MS = 5
+PARENT_CHECK_INTERVAL_S = 0.5
+# Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
+# time a fresh interpreter takes, and none inherits the threads of the front end (which fork would copy badly).
+_PRELOAD = ["rlserve.engine.core_service"]
+
+
+def multiprocessing_enabled() -> bool:
+    for name in MULTIPROCESSING_ENVS:
+        value = os.environ.get(name)
+        if value is not None:
+            return value.strip().lower() not in ("0", "false", "no", "off")
+    return True
+
+
+@dataclass(frozen=True)
+class CoreStartup:
+    """What the core process needs to start, passed to it by value."""
+
+    config: EngineConfig
+    address: str
+    parent_pid: int
+    # Weight-transfer backends the front end registered by class ({name: "module:Class"}); the core registers them
+    # too, so a backend registered before the engine was created works as in one process.
+    extra_backends: dict[str, str]
+
+
+class _SocketTransport:
+    def __init__(self, socket: zmq.Socket, codec: Codec) -> None:
+        self.socket = socket
+        self.codec = codec
+
+    def send_outputs(self, client: bytes, outputs: list[EngineCoreOutput]) -> None:
+        self.socket.send_multipart((client, self.codec.encode(pack_outputs(outputs))), copy=False)
+
+    def send_result(self, client: bytes, result: UtilityResult) -> None:
+        self.socket.send_multipart((client, self.codec.encode(result)), copy=False)
+
+
+def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Connection) -> None:
+    """The core process's main: build the engine, report ready (or the error), serve until told to stop."""
+    from rlserve.engine.core import EngineCore
+    from rlserve.engine.core_service import EngineCoreService
+    from rlserve.weight_transfer import WeightTransferEngineFactory
+
+    # The front end handles Ctrl-C and shuts the core down; the core must not die half-way through a step first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    shutdown_requested = False
+
+    def on_sigterm(signum, frame) -> None:
+        nonlocal shutdown_requested
+        shutdown_requested = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        for name, path in startup.extra_backends.items():
+            if name not in WeightTransferEngineFactory.available_engines():
+                WeightTransferEngineFactory.register_engine(name, path)
+        core = EngineCore(startup.config)
+    except BaseException as e:
+        ready.send(("error", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a front end that left must not block the core
+    socket.bind(startup.address)
+    codec = Codec()
+    service = EngineCoreService(core, _SocketTransport(socket, codec))
+    ready.send(("ready", None))
+    ready.close()
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    last_parent_check = time.monotonic()
+    try:
+        while not shutdown_requested:
+            if service.busy:
+                timeout = 0 if core.has_work() else BACKGROUND_POLL_MS
+            else:
+                timeout = IDLE_POLL_MS
+            while poller.poll(timeout):
+                client, payload = socket.recv_multipart(copy=True)
+                service.handle(client, codec.input_decoder.decode(payload))
+                timeout = 0
+            service.run_once()
+            if service.failure is not None:
+                raise SystemExit(3)
+            now = time.monotonic()
+            if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
+                last_parent_check = now
+                if not pid_alive(startup.parent_pid):  # the front end died without shutting us down
+                    logger.warning("the front-end process is gone; the engine core exits")
+                    break
+    finally:
+        core.shutdown()
+        socket.close(linger=0)
+        context.term()
+
+
+class CoreProcess:
+    """The front end's handle on an engine-core process: start it, check it lives, stop it."""
+
+    def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
+        self.address = f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        reader, writer = context.Pipe(duplex=False)
+        startup = CoreStartup(config, self.address, os.getpid(), extra_backends)
+        self.process = context.Process(
+            target=run_engine_core, args=(startup, writer), name="rlserve-engine-core", daemon=True
+        )
+        with _main_module_hidden():
+            self.process.start()
+        writer.close()
+        try:
+            if not reader.poll(STARTUP_TIMEOUT_S):
+                raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            status, detail = reader.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(
+                f"the engine-core process died while starting (exit code {self.process.exitcode})"
+            ) from None
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            reader.close()
+        if status != "ready":
+            self.process.join(10)
+            # The core's own message ("ValueError: model: ..."), re-raised as what it was where it is recognisable.
+            kind, _, message = detail.partition(": ")
+            raise (ValueError if kind == "ValueError" else RuntimeError)(message if kind == "ValueError" else detail)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def death_reason(self) -> str:
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit code {code}"
+        return f"the engine-core process (pid {self.process.pid}) died ({how})"
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        path = self.address.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """multiprocessing re-imports the caller's main script in the child (to find pickled functions defined there).
+    The core needs nothing from it, and re-running a user's script (one without an `if __name__ == "__main__"`
+    guard builds another engine) or a `python -` stdin script (which cannot be re-read) breaks the start."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def pid_alive(pid: int) -> bool:
+    """For front ends that did not start the core (API server processes): the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+

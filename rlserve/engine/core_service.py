@@ -1,0 +1,282 @@
+"""The engine core's side of the message protocol: add/abort/control messages in, step outputs and results out.
+
+One service runs the core's busy loop whatever carries the messages: a ZMQ socket in the engine-core process (the
+default, see core_proc.py) or a queue in a thread of the caller's process (the in-process mode). Everything that
+touches the core runs on the loop's thread, between steps, so a weight update never overlaps a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from rlserve.dtypes import dtype_from_name
+from rlserve.engine.core import EngineCore, resolve_pause_mode
+from rlserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreInput,
+    EngineCoreOutput,
+    UtilityCall,
+    UtilityResult,
+    decode_token_ids,
+)
+from rlserve.engine.worker.extension import extension_methods
+
+logger = logging.getLogger(__name__)
+
+ClientId = Hashable
+
+
+class Transport(Protocol):
+    def send_outputs(self, client: ClientId, outputs: list[EngineCoreOutput]) -> None: ...
+
+    def send_result(self, client: ClientId, result: UtilityResult) -> None: ...
+
+
+@dataclass
+class _WaitPause:
+    client: ClientId
+    call_id: int
+    clear_cache: bool
+
+
+def error_result(call_id: int, error: BaseException) -> UtilityResult:
+    return UtilityResult(call_id, None, type(error).__name__, str(error))
+
+
+def pack_tensors(weights) -> list[list]:
+    """(name, tensor) pairs as plain data: [name, dtype name, shape, raw bytes] (no pickle)."""
+    packed = []
+    for name, tensor in weights:
+        t = tensor.detach().to("cpu").contiguous()
+        packed.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()])
+    return packed
+
+
+def unpack_tensors(packed: list[list]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, dtype, shape, data in packed:
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out.append((name, flat.view(dtype_from_name(dtype)).reshape(shape)))
+    return out
+
+
+class EngineCoreService:
+    def __init__(self, core: EngineCore, transport: Transport) -> None:
+        self.core = core
+        self.transport = transport
+        self.owners: dict[str, ClientId] = {}  # request id -> the front end its outputs go to
+        self.wait_pauses: list[_WaitPause] = []
+        # Control calls that block on a peer (the weight-transfer rendezvous) run on threads; their results come
+        # back here and are sent from the loop's thread (sockets are not thread-safe).
+        self.background: queue.SimpleQueue[tuple[ClientId, UtilityResult]] = queue.SimpleQueue()
+        self.num_background = 0
+        self.failure: BaseException | None = None  # a step raised: requests were aborted, the core is unusable
+
+    # ---- the loop ----
+
+    @property
+    def busy(self) -> bool:
+        """Whether the loop should poll its inputs without blocking."""
+        return self.core.has_work() or bool(self.wait_pauses) or self.num_background > 0
+
+    def handle(self, client: ClientId, message: CoreInput) -> None:
+        if isinstance(message, AddRequest):
+            self._add(client, message)
+        elif isinstance(message, AbortRequests):
+            self._route(self.core.abort_requests(message.request_ids))
+        elif isinstance(message, UtilityCall):
+            self._call(client, message)
+        else:
+            raise TypeError(f"unknown message {type(message).__name__}")
+
+    def run_once(self) -> None:
+        """One step if there is work, then whatever the step made possible (finished wait-pauses, background
+        results)."""
+        if self.core.has_work() and self.failure is None:
+            try:
+                outputs = self.core.step()
+            except BaseException as e:  # a failing forward must reach the callers, not kill the loop silently
+                logger.exception("engine step failed")
+                self.failure = e
+                outputs = self.core.abort_requests(list(self.core.requests))
+            self._route(outputs)
+        if self.wait_pauses and self.core.num_in_flight == 0:
+            self._end_wait_pauses(clear_cache=True)
+        while self.num_background:
+            try:
+                client, result = self.background.get_nowait()
+            except queue.Empty:
+                break
+            self.num_background -= 1
+            self.transport.send_result(client, result)
+
+    def _add(self, client: ClientId, message: AddRequest) -> None:
+        if self.failure is not None:
+            self._route(self._refused(message.request_ids))
+            return
+        prompt = decode_token_ids(message.prompt_token_ids)
+        for request_id, params in zip(message.request_ids, message.params, strict=True):
+            self.owners[request_id] = client
+            try:
+                self.core.add_request(request_id, prompt, params)
+            except ValueError:  # the front end validated it; a duplicate id or a race with sleep ends it here
+                logger.exception("refused request %s", request_id)
+                self._route(self._refused([request_id]))
+
+    def _refused(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        version = self.core.weight_version
+        return [EngineCoreOutput(rid, [], [], None, version, "abort") for rid in request_ids]
+
+    def _route(self, outputs: list[EngineCoreOutput]) -> None:
+        if not outputs:
+            return
+        by_client: dict[ClientId, list[EngineCoreOutput]] = {}
+        owners = self.owners
+        for out in outputs:
+            client = owners.get(out.request_id)
+            if out.finish_reason is not None:
+                owners.pop(out.request_id, None)
+            if client is not None:
+                by_client.setdefault(client, []).append(out)
+        for client, batch in by_client.items():
+            self.transport.send_outputs(client, batch)
+
+    # ---- control calls ----
+
+    def _call(self, client: ClientId, call: UtilityCall) -> None:
+        method = _UTILITY_METHODS.get(call.method)
+        if method is None:
+            self.transport.send_result(client, error_result(call.call_id, ValueError(f"unknown call {call.method!r}")))
+            return
+        if call.method in _BACKGROUND_METHODS:
+            self._call_in_background(client, call, method)
+            return
+        try:
+            value = method(self, client, call, *call.args)
+        except BaseException as e:
+            self.transport.send_result(client, error_result(call.call_id, e))
+            return
+        if value is not _DEFERRED:
+            self.transport.send_result(client, UtilityResult(call.call_id, value))
+
+    def _call_in_background(self, client: ClientId, call: UtilityCall, method: Callable) -> None:
+        def run() -> None:
+            try:
+                result = UtilityResult(call.call_id, method(self, client, call, *call.args))
+            except BaseException as e:
+                result = error_result(call.call_id, e)
+            self.background.put((client, result))
+
+        self.num_background += 1
+        threading.Thread(target=run, name=f"rlserve-{call.method}", daemon=True).start()
+
+    def _end_wait_pauses(self, clear_cache: bool) -> None:
+        """Return every pending pause(mode="wait"); clear the cache first if one asked and `clear_cache` allows."""
+        pauses, self.wait_pauses = self.wait_pauses, []
+        if clear_cache and any(p.clear_cache for p in pauses):
+            self.core.clear_cache()
+        for p in pauses:
+            self.transport.send_result(p.client, UtilityResult(p.call_id, None))
+
+    def pause(self, client: ClientId, call: UtilityCall, mode: str, clear_cache: bool) -> Any:
+        if resolve_pause_mode(mode) == "wait":
+            self.core.pause("wait", clear_cache=False)
+            self.wait_pauses.append(_WaitPause(client, call.call_id, clear_cache))
+            return _DEFERRED
+        self._route(self.core.pause(mode, clear_cache))  # abort: the streams end before the pause returns
+        return None
+
+    def resume(self, client: ClientId, call: UtilityCall) -> None:
+        self.core.resume()
+        # A pause(mode="wait") still waiting for its requests is over: it returns now rather than when the traffic
+        # admitted after this resume happens to drain, which under steady load is never.
+        self._end_wait_pauses(clear_cache=False)
+
+    def collective_rpc(self, client: ClientId, call: UtilityCall, method, args, kwargs) -> list[Any]:
+        return self.core.collective_rpc(method, tuple(args), kwargs)
+
+    def load_weights(self, client: ClientId, call: UtilityCall, weights: list, reset_prefix_cache: bool) -> int:
+        """(name, tensor) pairs from a front end in this process, packed ones (pack_tensors) from another."""
+        if weights and not isinstance(weights[0], tuple):
+            weights = unpack_tensors(weights)
+        return self.core.load_weights_direct(weights, reset_prefix_cache)
+
+    def abort_requests(self, client: ClientId, call: UtilityCall, request_ids: list[str]) -> None:
+        """An abort whose outputs (the tokens held back for final-only requests) reach the caller before it
+        returns."""
+        self._route(self.core.abort_requests(request_ids))
+
+    def update_weight_version(self, client: ClientId, call: UtilityCall, version: str) -> None:
+        self.core.weight_version = str(version)
+
+    def engine_info(self, client: ClientId, call: UtilityCall) -> dict[str, Any]:
+        """What the front end needs to validate requests without asking the core each time."""
+        core = self.core
+        return dict(
+            max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size,
+            max_logprobs=core.config.max_logprobs,
+            worker_extension_methods=sorted(extension_methods(core.worker)),
+        )
+
+    def stats(self, client: ClientId, call: UtilityCall) -> dict[str, Any]:
+        core = self.core
+        return dict(
+            num_running=len(core.scheduler.running),
+            num_waiting=len(core.scheduler.waiting),
+            num_generated_tokens=core.num_generated_tokens,
+            kv_cache_usage=core.kv_cache.usage,
+            kv_cache_free_blocks=core.kv_cache.num_free_blocks,
+            kv_cache_blocks=core.kv_cache.num_blocks,
+            prefix_cache_queries=core.kv_cache.prefix_queries,
+            prefix_cache_hits=core.kv_cache.prefix_hits,
+            is_paused=core.is_paused(),
+            weight_version=core.weight_version,
+        )
+
+
+def _core_method(name: str) -> Callable:
+    """A utility call that is an EngineCore method of the same name with the call's arguments."""
+
+    def call(service: EngineCoreService, client: ClientId, call: UtilityCall, *args: Any) -> Any:
+        return getattr(service.core, name)(*args)
+
+    return call
+
+
+_DEFERRED = object()  # the result is sent later (a pause(mode="wait"))
+_BACKGROUND_METHODS = frozenset({"init_weight_transfer_engine"})
+_UTILITY_METHODS: dict[str, Callable] = {
+    **{
+        name: _core_method(name)
+        for name in (
+            "is_paused",
+            "sleep",
+            "wake_up",
+            "is_sleeping",
+            "init_weight_transfer_engine",
+            "start_weight_update",
+            "update_weights",
+            "finish_weight_update",
+            "get_weight_version",
+            "checksums",
+            "reset_prefix_cache",
+        )
+    },
+    "pause": EngineCoreService.pause,
+    "resume": EngineCoreService.resume,
+    "collective_rpc": EngineCoreService.collective_rpc,
+    "load_weights": EngineCoreService.load_weights,
+    "abort_requests": EngineCoreService.abort_requests,
+    "update_weight_version": EngineCoreService.update_weight_version,
+    "engine_info": EngineCoreService.engine_info,
+    "stats": EngineCoreService.stats,
+}

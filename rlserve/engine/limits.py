@@ -1,0 +1,36 @@
+"""The engine's limits on a request, checked once in the front end before anything is sent to the core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """Fixed when the core starts; the core reports them to every front end that connects."""
+
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A ValueError naming the field if the request cannot run on this engine."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        limit = min(self.max_logprobs, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise ValueError(f"{name}: {k} is above the engine's limit min(max_logprobs, vocab size) = {limit}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {self.vocab_size}")

@@ -1,0 +1,220 @@
+"""The typed messages between the front end (LLM, AsyncLLM, API servers) and the engine core, and their wire form.
+
+Everything travels as msgpack (msgspec structs, tagged): nothing received is unpickled. A step's outputs travel in
+columns: token ids and logprobs as raw little-endian buffers, not as Python lists of objects, so the core's cost of
+sending a step and the front end's cost of reading it stay flat at large batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from rlserve.outputs import PositionLogprobsData
+from rlserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step adds to one request (the core's in-memory form; see StepOutputs for the wire form)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobsData | None]
+    new_prompt_logprobs: list[PositionLogprobsData] | None
+    weight_version: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+# ---- front end -> core ----
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """Queue samples of one prompt: `request_ids[i]` runs with `params[i]` (the n samples of a request)."""
+
+    request_ids: list[str]
+    prompt_token_ids: bytes  # int32
+    params: list[SamplingParams]
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag=True, array_like=True):
+    """A control call (pause, weight update, sleep, ...): `method` names an EngineCoreService method."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+# ---- core -> front end ----
+
+
+class UtilityResult(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+    value: Any = None
+    error_type: str | None = None  # "ValueError", "RuntimeError", ...: the front end raises the same kind
+    error: str | None = None
+
+
+class PackedLogprobs(msgspec.Struct, array_like=True):
+    """Rows of PositionLogprobsData in columns."""
+
+    num_topk: bytes  # int32 per row
+    topk_ids: bytes  # int32, all rows' top-k concatenated
+    topk_values: bytes  # float32 (the engine's values are fp32 or narrower: no rounding)
+    token_values: bytes  # float32 per row
+    token_ranks: bytes  # int32 per row
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One step's EngineCoreOutputs for one front end, in columns (one entry per output unless noted)."""
+
+    request_ids: list[str]
+    num_new_tokens: bytes  # int32
+    new_token_ids: bytes  # int32, concatenated
+    has_logprobs: bytes  # uint8: then every new token of the output has a row in `logprobs`
+    logprobs: PackedLogprobs | None
+    num_prompt_logprobs: bytes  # int32: rows in `prompt_logprobs` (0: None)
+    prompt_logprobs: PackedLogprobs | None
+    weight_versions: list[str]
+    finish_reasons: list[str | None]
+    stop_reasons: list[int | str | None]
+    num_cached_tokens: bytes  # int32
+
+
+CoreInput = AddRequest | AbortRequests | UtilityCall
+CoreOutput = StepOutputs | UtilityResult
+
+
+def _i32(values: list[int]) -> bytes:
+    return np.asarray(values, dtype=np.int32).tobytes()
+
+
+def _f32(values: list[float]) -> bytes:
+    return np.asarray(values, dtype=np.float32).tobytes()
+
+
+def _ints(buf: bytes) -> list[int]:
+    return np.frombuffer(buf, dtype=np.int32).tolist()
+
+
+def _floats(buf: bytes) -> list[float]:
+    return np.frombuffer(buf, dtype=np.float32).tolist()
+
+
+def _pack_logprobs(rows: list[PositionLogprobsData]) -> PackedLogprobs | None:
+    if not rows:
+        return None
+    return PackedLogprobs(
+        num_topk=_i32([len(r.topk_ids) for r in rows]),
+        topk_ids=_i32([t for r in rows for t in r.topk_ids]),
+        topk_values=_f32([v for r in rows for v in r.topk_values]),
+        token_values=_f32([r.token_value for r in rows]),
+        token_ranks=_i32([r.token_rank for r in rows]),
+    )
+
+
+def _unpack_logprobs(packed: PackedLogprobs | None) -> list[PositionLogprobsData]:
+    if packed is None:
+        return []
+    counts = _ints(packed.num_topk)
+    ids, values = _ints(packed.topk_ids), _floats(packed.topk_values)
+    token_values, token_ranks = _floats(packed.token_values), _ints(packed.token_ranks)
+    rows, offset = [], 0
+    for k, value, rank in zip(counts, token_values, token_ranks, strict=True):
+        rows.append(PositionLogprobsData(ids[offset : offset + k], values[offset : offset + k], value, rank))
+        offset += k
+    return rows
+
+
+def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
+    logprob_rows: list[PositionLogprobsData] = []
+    prompt_rows: list[PositionLogprobsData] = []
+    has_logprobs = []
+    for o in outputs:
+        with_logprobs = bool(o.new_logprobs) and o.new_logprobs[0] is not None
+        has_logprobs.append(with_logprobs)
+        if with_logprobs:
+            logprob_rows += o.new_logprobs
+        if o.new_prompt_logprobs:
+            prompt_rows += o.new_prompt_logprobs
+    return StepOutputs(
+        request_ids=[o.request_id for o in outputs],
+        num_new_tokens=_i32([len(o.new_token_ids) for o in outputs]),
+        new_token_ids=_i32([t for o in outputs for t in o.new_token_ids]),
+        has_logprobs=np.asarray(has_logprobs, dtype=np.uint8).tobytes(),
+        logprobs=_pack_logprobs(logprob_rows),
+        num_prompt_logprobs=_i32([len(o.new_prompt_logprobs or ()) for o in outputs]),
+        prompt_logprobs=_pack_logprobs(prompt_rows),
+        weight_versions=[o.weight_version for o in outputs],
+        finish_reasons=[o.finish_reason for o in outputs],
+        stop_reasons=[o.stop_reason for o in outputs],
+        num_cached_tokens=_i32([o.num_cached_tokens for o in outputs]),
+    )
+
+
+def unpack_outputs(step: StepOutputs) -> list[EngineCoreOutput]:
+    counts = _ints(step.num_new_tokens)
+    token_ends = list(accumulate(counts))
+    tokens = _ints(step.new_token_ids)
+    has_logprobs = np.frombuffer(step.has_logprobs, dtype=np.uint8).tolist()
+    logprob_rows = _unpack_logprobs(step.logprobs)
+    prompt_counts = _ints(step.num_prompt_logprobs)
+    prompt_rows = _unpack_logprobs(step.prompt_logprobs)
+    cached = _ints(step.num_cached_tokens)
+    outputs = []
+    lp_offset = prompt_offset = 0
+    for i, request_id in enumerate(step.request_ids):
+        end = token_ends[i]
+        new_tokens = tokens[end - counts[i] : end]
+        if has_logprobs[i]:
+            new_logprobs = logprob_rows[lp_offset : lp_offset + counts[i]]
+            lp_offset += counts[i]
+        else:
+            new_logprobs = [None] * counts[i]
+        prompt_logprobs = None
+        if prompt_counts[i]:
+            prompt_logprobs = prompt_rows[prompt_offset : prompt_offset + prompt_counts[i]]
+            prompt_offset += prompt_counts[i]
+        outputs.append(
+            EngineCoreOutput(
+                request_id,
+                new_tokens,
+                new_logprobs,
+                prompt_logprobs,
+                step.weight_versions[i],
+                step.finish_reasons[i],
+                step.stop_reasons[i],
+                cached[i],
+            )
+        )
+    return outputs
+
+
+def encode_token_ids(token_ids: list[int]) -> bytes:
+    return _i32(token_ids)
+
+
+def decode_token_ids(buf: bytes) -> list[int]:
+    return _ints(buf)
+
+
+class Codec:
+    """msgpack encoders/decoders for each direction (reused: msgspec's are cheapest when kept)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.input_decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.output_decoder = msgspec.msgpack.Decoder(CoreOutput)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self.encoder.encode(message)
