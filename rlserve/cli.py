@@ -65,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The other commands register their own arguments.
     from rlserve.rl import demo, parity
-    from rlserve.server import app
+    from rlserve.server import serve
 
-    for module in (app, demo, parity):
+    for module in (serve, demo, parity):
         module.register_cli(sub)
     return parser
 

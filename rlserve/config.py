@@ -62,6 +62,11 @@ class EngineConfig:
         "do not depend on what else runs, and equal rlserve's trainer-side forward (rlserve.rl.train_forward) bit "
         "for bit; slower",
     )
+    stream_interval: int = _option(
+        1,
+        "tokens per streamed output (vLLM's option): larger values cut per-token work for many concurrent streams; "
+        "requests with stop strings still stream every token",
+    )
     worker_extension_cls: str | None = _option(
         None, "'package.module:Class' whose methods join the worker, for collective_rpc (vLLM's option)"
     )
@@ -74,7 +79,7 @@ class EngineConfig:
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "stream_interval"):
             if getattr(self, name) < 1 and name != "max_logprobs":
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:

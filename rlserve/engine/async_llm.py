@@ -207,6 +207,12 @@ class AsyncLLM(EngineFrontEnd):
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 
+    async def check_health(self) -> None:
+        """vLLM's: raise EngineDeadError if the engine core is gone (its process died, or a step failed)."""
+        self._bind_loop()
+        if self.error is not None:
+            raise self.error
+
     async def stats(self) -> dict[str, Any]:
         """A snapshot of the core's counters for metrics."""
         return await self._call("stats")

@@ -95,7 +95,15 @@ class EngineCore:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, self.max_model_len, generator)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.eos_token_ids,
+            self.max_model_len,
+            generator,
+            self.config.stream_interval,
+        )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
 
@@ -179,13 +187,18 @@ class EngineCore:
         return outputs
 
     def _emit(self, outputs, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str) -> None:
-        """Add the request's output for this step, or hold its tokens when its caller wants only the final output
-        (an output object per request per step is most of the host's work at large batches). Held tokens go out
+        """Add the request's output for this step, or hold its tokens when its caller wants only the final output or
+        streams every stream_interval tokens (an output object per request per step is most of the host's work at
+        large batches). Held tokens go out
         with the finishing output, or first on their own when the weight version changes (one version per output)."""
         if request.held_token_ids and request.held_weight_version != weight_version:
             version = request.held_weight_version
             outputs.append(self._output(request, *request.take_held(), None, version, last=False))
-        if request.holds_outputs and not request.status.finished and not prompt_logprobs:
+        if (
+            not request.status.finished
+            and not prompt_logprobs
+            and len(request.held_token_ids) + len(new_tokens) <= request.max_held_tokens
+        ):
             request.hold(new_tokens, new_logprobs, weight_version)
             return
         if request.held_token_ids:

@@ -42,7 +42,7 @@ _ERRORS: dict[str, type[BaseException]] = {
 }
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(Exception):
     """The engine core is gone (its process died, or a step failed): nothing more can run on it."""
 
 
@@ -55,7 +55,7 @@ def raise_for(result: UtilityResult) -> Any:
     raise cls(result.error)
 
 
-def _registered_backends(config: EngineConfig) -> dict[str, str]:
+def registered_backends(config: EngineConfig) -> dict[str, str]:
     """The configured weight-transfer backend as an import path, when the caller registered it by class."""
     from rlserve.weight_transfer import WeightTransferEngineFactory
 
@@ -138,7 +138,7 @@ class MPClient:
     """The core in a process of its own (started here), over a ZMQ DEALER socket."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.process = CoreProcess(config, _registered_backends(config))
+        self.process = CoreProcess(config, registered_backends(config))
         self.codec = Codec()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -332,7 +332,7 @@ class AsyncMPClient(AsyncClientBase):
         self, config: EngineConfig | None = None, *, address: str | None = None, pid: int | None = None
     ) -> None:
         super().__init__()
-        self.process = CoreProcess(config, _registered_backends(config)) if config is not None else None
+        self.process = CoreProcess(config, registered_backends(config)) if config is not None else None
         self.address = self.process.address if self.process is not None else address
         self.pid = self.process.pid if self.process is not None else pid
         self.codec = Codec()
@@ -399,4 +399,3 @@ class AsyncMPClient(AsyncClientBase):
 
 def make_async_client(config: EngineConfig) -> AsyncInprocClient | AsyncMPClient:
     return AsyncMPClient(config) if multiprocessing_enabled() else AsyncInprocClient(config)
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     generator: torch.Generator | None = None
+    stream_interval: int = 1
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt and output tokens; the KV cache holds the first num_computed_tokens of them.
     all_token_ids: list[int] = field(default_factory=list)
@@ -55,8 +57,15 @@ class Request:
         self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
         budget = self.max_model_len - len(self.prompt_token_ids)
         self.max_output_tokens = budget if p.max_tokens is None else min(p.max_tokens, budget)
-        # Stop strings are found in the text, which is built as tokens arrive: those requests send every token.
-        self.holds_outputs = p.output_kind is RequestOutputKind.FINAL_ONLY and not p.stop
+        # How many sampled tokens may wait to be sent: all of them for a caller that wants only the final output,
+        # stream_interval - 1 for a stream. Stop strings are found in the text, which is built as tokens arrive:
+        # those requests send every token.
+        if p.stop:
+            self.max_held_tokens = 0
+        elif p.output_kind is RequestOutputKind.FINAL_ONLY:
+            self.max_held_tokens = sys.maxsize
+        else:
+            self.max_held_tokens = self.stream_interval - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,13 +7,9 @@ or not, aborts its request so the engine stops spending steps on it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import gc
 import logging
-import os
 import secrets
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -25,8 +21,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.core_client import EngineDeadError
 from rlserve.engine.llm import PromptType, ValidatedPrompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
@@ -263,6 +259,8 @@ class OpenAIServing:
                 yield _sse(make_usage_chunk(usage.info()))
         except APIError as e:
             yield _sse(e.response())
+        except EngineDeadError as e:
+            yield _sse(APIError(503, f"the engine is gone: {e}").response())
         except Exception as e:
             logger.exception("stream failed")
             yield _sse(APIError(500, f"generation failed: {e}").response())
@@ -464,6 +462,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_json(APIError(exc.status_code, str(exc.detail)))
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error_json(APIError(503, f"the engine is gone: {exc}"))
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
@@ -512,44 +514,3 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
     if enable_rl_api:
         app.include_router(build_rl_router(engine, serving.active, auth, metrics), responses=errors)
     return app
-
-
-# ---- `rlserve serve` ----
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.enable_rl_api and not api_key:
-        print(
-            "rlserve serve: --enable-rl-api needs an API key (--api-key KEY or $RLSERVE_API_KEY): the RL routes pause "
-            "generation and overwrite weights, so they are never served unauthenticated",
-            file=sys.stderr,
-        )
-        return 2
-    engine = AsyncLLM(args.model, **engine_kwargs(args))
-    try:
-        app = build_app(engine, api_key, args.enable_rl_api, args.served_model_name or args.model)
-        # The start-up heap (torch, transformers, the model, CUDA graphs) is live for the whole process, yet every
-        # full collection walked it: 0.3-0.4 s stalls of the event loop and the engine on an H200, inside pauses
-        # and weight syncs. Frozen, collections see only what serving allocates.
-        gc.collect()
-        gc.freeze()
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    finally:
-        engine.shutdown()
-    return 0
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server, with optional RL control routes")
-    serve.add_argument("model", help="Hugging Face model directory")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help=f"required on /v1 and RL routes (default: ${API_KEY_ENV})")
-    serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_arguments(serve)
-    serve.set_defaults(func=cmd_serve)

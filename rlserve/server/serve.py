@@ -1,0 +1,167 @@
+"""`rlserve serve MODEL`: the engine core in its own process, and one or more API server processes in front of it.
+
+With `--api-server-count 1` (the default) this process is the API server and starts the core itself. With N > 1 it
+starts the core, binds the port once and hands the listening socket to N API server processes, each a client of the
+same core (vLLM's layout); it then only supervises: if the core or an API server dies, the others are stopped and
+the command exits non-zero. If the core dies, every pending request fails with 503 within a second, `/health`
+answers 503, and the server exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+
+from rlserve.engine.args import add_engine_arguments, engine_kwargs, make_engine_config
+from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.core_client import EngineDeadError, registered_backends
+from rlserve.engine.core_proc import CoreProcess
+from rlserve.server.app import API_KEY_ENV, build_app
+
+logger = logging.getLogger(__name__)
+
+# How long a server whose engine died keeps answering (503) before it exits: long enough for a client or an
+# orchestrator polling /health to see why.
+DEAD_ENGINE_GRACE_S = 1.0
+EXIT_ENGINE_DEAD = 1
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    sock = socket.create_server((host, port), reuse_port=False, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
+    import uvicorn
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = build_app(engine, api_key, args.enable_rl_api, args.served_model_name or args.model)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full
+    # collection walked it: 0.3-0.4 s stalls of the event loop on an H200, inside pauses and weight syncs. Frozen,
+    # collections see only what serving allocates.
+    gc.collect()
+    gc.freeze()
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not serving.done():
+        try:
+            await engine.check_health()
+        except EngineDeadError:
+            await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+            server.should_exit = True
+            await serving
+            return EXIT_ENGINE_DEAD
+        await asyncio.wait({serving}, timeout=0.2)
+    await serving
+    return 0
+
+
+def _run_api_server(
+    args: argparse.Namespace, sock: socket.socket, core_address: str | None, core_pid: int | None
+) -> int:
+    engine = AsyncLLM(args.model, core_address=core_address, core_pid=core_pid, **engine_kwargs(args))
+    try:
+        return asyncio.run(_serve_until_engine_dies(engine, args, sock))
+    finally:
+        engine.shutdown()
+
+
+def _api_server_process(args: argparse.Namespace, sock: socket.socket, core_address: str, core_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us with SIGTERM
+    sys.exit(_run_api_server(args, sock, core_address, core_pid))
+
+
+def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
+    """Start the core and args.api_server_count API servers; return when one of them ends (or on SIGTERM)."""
+    config = make_engine_config(args.model, **engine_kwargs(args))
+    core = CoreProcess(config, registered_backends(config))
+    context = multiprocessing.get_context("spawn")
+    servers = [
+        context.Process(
+            target=_api_server_process, args=(args, sock, core.address, core.pid), name=f"rlserve-api-{i}", daemon=True
+        )
+        for i in range(args.api_server_count)
+    ]
+    stop = False
+
+    def on_signal(signum, frame) -> None:
+        nonlocal stop
+        stop = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for server in servers:
+            server.start()
+        sentinels = [core.process.sentinel] + [s.sentinel for s in servers]
+        while not stop and not multiprocessing.connection.wait(sentinels, timeout=0.2):
+            pass
+        if stop:
+            return 0
+        if not core.is_alive():
+            logger.error("%s", core.death_reason())
+            # The API servers see it too, answer 503 for a moment and exit; then we do.
+            for server in servers:
+                server.join(DEAD_ENGINE_GRACE_S + 5)
+            return EXIT_ENGINE_DEAD
+        dead = [s for s in servers if not s.is_alive()]
+        logger.error("API server %s exited (code %s); stopping", dead[0].name, dead[0].exitcode)
+        return 1
+    finally:
+        for server in servers:
+            if server.is_alive():
+                server.terminate()
+        for server in servers:
+            server.join(10)
+        core.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.enable_rl_api and not api_key:
+        print(
+            "rlserve serve: --enable-rl-api needs an API key (--api-key KEY or $RLSERVE_API_KEY): the RL routes pause "
+            "generation and overwrite weights, so they are never served unauthenticated",
+            file=sys.stderr,
+        )
+        return 2
+    if args.api_server_count < 1:
+        print("rlserve serve: --api-server-count must be >= 1", file=sys.stderr)
+        return 2
+    sock = _listening_socket(args.host, args.port)
+    try:
+        if args.api_server_count == 1:
+            return _run_api_server(args, sock, None, None)
+        return _supervise(args, sock)
+    finally:
+        sock.close()
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server, with optional RL control routes")
+    serve.add_argument("model", help="Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help=f"required on /v1 and RL routes (default: ${API_KEY_ENV})")
+    serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port, each a client of the one engine core (vLLM's option)",
+    )
+    add_engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
