@@ -133,3 +133,19 @@ def rl(server: Server) -> Iterator[RLServeClient]:
     finally:
         client.resume()
         client.close()
+
+
+@pytest.fixture
+def start_server(server_model_dir: Path, tmp_path: Path) -> Iterator:
+    """start_server(*args) -> a healthy server of its own (for tests that kill parts of it); stopped at teardown."""
+    started: list[Server] = []
+
+    def start(*args: str) -> Server:
+        server = _start(server_model_dir, tmp_path / f"server-{len(started)}.log", *args, api_key=API_KEY)
+        started.append(server)
+        _wait_healthy(server)
+        return server
+
+    yield start
+    for server in started:
+        _stop(server)

@@ -1,0 +1,110 @@
+"""The engine core in its own process, seen from outside: what the server does when the core dies, and several API
+server processes in front of one core."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+from process_tree import descendants, engine_core_pids, survivors
+from server_helpers import MODEL_NAME, Server, free_port
+
+DEATH_NOTICE_S = 3.0  # a pending request or call fails this soon after the core is killed (1 s promised + slack)
+EXIT_S = 15.0
+
+
+def _kill_core(server: Server) -> int:
+    (core,) = engine_core_pids(server.proc.pid)
+    os.kill(core, signal.SIGKILL)
+    return core
+
+
+def _watch_health(server: Server, until: float) -> set[int]:
+    """Every /health status seen until the server stops answering (or `until`)."""
+    seen = set()
+    while time.monotonic() < until:
+        try:
+            seen.add(httpx.get(server.url + "/health", timeout=1.0).status_code)
+        except httpx.TransportError:
+            break
+        time.sleep(0.05)
+    return seen
+
+
+def test_core_killed_during_streaming(start_server):
+    server = start_server()
+    children = descendants(server.proc.pid)
+    with server.client() as client:
+        max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": max_model_len - 8, "ignore_eos": True, "stream": True}
+    with server.client() as client, client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"choices"' in first
+        killed_at = time.monotonic()
+        _kill_core(server)
+        events = [line for line in lines if line.startswith("data: ")]
+        ended_after = time.monotonic() - killed_at
+    error = json.loads(next(e for e in events if '"error"' in e).removeprefix("data: "))
+    assert error["error"]["code"] == 503 and "engine" in error["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+    assert ended_after < DEATH_NOTICE_S
+    assert 503 in _watch_health(server, time.monotonic() + 5)
+    assert server.proc.wait(EXIT_S) == 1
+    assert not survivors(children)
+
+
+def test_core_killed_during_a_weight_update_call(start_server):
+    """init_weight_transfer_engine waits for a trainer that never joins (the core runs it on a thread); killing
+    the core fails the pending call with 503, and the server exits non-zero leaving no process behind."""
+    server = start_server("--enable-rl-api", "--weight-transfer-config", '{"backend": "nccl"}')
+    children = descendants(server.proc.pid)
+    result: dict = {}
+
+    def init() -> None:
+        info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+        with server.client() as client:
+            response = client.post("/init_weight_transfer_engine", json={"init_info": info})
+        result["status"], result["body"], result["at"] = response.status_code, response.json(), time.monotonic()
+
+    caller = threading.Thread(target=init)
+    caller.start()
+    time.sleep(1.0)  # the call is inside the core, waiting for the trainer
+    assert caller.is_alive()
+    killed_at = time.monotonic()
+    _kill_core(server)
+    caller.join(DEATH_NOTICE_S + 2)
+    assert not caller.is_alive()
+    assert result["status"] == 503, result
+    assert result["at"] - killed_at < DEATH_NOTICE_S
+    assert server.proc.wait(EXIT_S) == 1
+    assert not survivors(children)
+
+
+def test_two_api_servers_share_one_core(start_server):
+    server = start_server("--api-server-count", "2", "--enable-rl-api")
+    children = descendants(server.proc.pid)
+    assert len(engine_core_pids(server.proc.pid)) == 1
+    assert len([p for p in children if p not in engine_core_pids(server.proc.pid)]) >= 2  # the API servers
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
+    # Fresh connections: the kernel spreads them over both processes' accept queues.
+    post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, timeout=60, **kw)  # noqa: E731
+    results = [post("/v1/completions", json=body) for _ in range(12)]
+    assert all(r.status_code == 200 and len(r.json()["choices"][0]["weight_versions"]) == 4 for r in results)
+    try:
+        assert httpx.post(server.url + "/pause?mode=keep", headers=server.headers, timeout=30).status_code == 200
+        seen = {
+            httpx.get(server.url + "/is_paused", headers=server.headers, timeout=30).json()["is_paused"]
+            for _ in range(12)
+        }
+        assert seen == {True}  # a pause through one API server is the core's state, whichever server answers
+    finally:
+        httpx.post(server.url + "/resume", headers=server.headers, timeout=30)
+    assert httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60).status_code == 200
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(EXIT_S) == 0
+    assert not survivors(children)
