@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +58,8 @@ def raise_for(result: UtilityResult) -> Any:
 
 
 def registered_backends(config: EngineConfig) -> dict[str, str]:
-    """The configured weight-transfer backend as an import path, when the caller registered it by class."""
+    """The configured weight-transfer backend as an import path the core process can load, when the caller
+    registered it by class (the registry of this process is not the core's)."""
     from rlserve.weight_transfer import WeightTransferEngineFactory
 
     wt = config.weight_transfer_config
@@ -65,11 +68,12 @@ def registered_backends(config: EngineConfig) -> dict[str, str]:
     try:
         cls = WeightTransferEngineFactory.get_engine_cls(wt.backend)
     except ValueError:
-        return {}
-    if cls.__module__ in ("__main__", "__mp_main__"):
-        # The core process imports the main script again (spawn), so a registration at its top level is seen there;
-        # one made inside a function is not, and init_weight_transfer_engine then names the fix.
-        return {}
+        return {}  # the core reports the unknown name, with the fix
+    if "<locals>" in cls.__qualname__:
+        return {}  # defined inside a function: nothing another process can import (the core names the fix)
+    module = sys.modules.get(cls.__module__)
+    if cls.__module__ in ("__main__", "__mp_main__") and getattr(module, "__file__", None):
+        return {wt.backend: f"{os.path.abspath(module.__file__)}:{cls.__qualname__}"}
     return {wt.backend: f"{cls.__module__}:{cls.__qualname__}"}
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -14,9 +17,25 @@ from rlserve.weight_transfer.base import WeightTransferEngine
 EngineLoader = Callable[[], type[WeightTransferEngine]]
 
 
+def _import_module(module_path: str) -> ModuleType:
+    """A module by dotted name, or a script by file path (a backend defined in the script that created the engine,
+    loaded in the engine-core process: its `if __name__ == "__main__"` block does not run there)."""
+    if not module_path.endswith(".py"):
+        return importlib.import_module(module_path)
+    name = f"_rlserve_script_{abs(hash(module_path))}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, module_path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"weight transfer backend: cannot load {module_path!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def _lazy_loader(module_path: str, class_name: str) -> EngineLoader:
     def load() -> type[WeightTransferEngine]:
-        cls = getattr(importlib.import_module(module_path), class_name)
+        cls = getattr(_import_module(module_path), class_name)
         if not (isinstance(cls, type) and issubclass(cls, WeightTransferEngine)):
             raise TypeError(f"{module_path}.{class_name} is not a WeightTransferEngine subclass")
         return cls
@@ -64,8 +83,15 @@ class WeightTransferEngineFactory:
     @classmethod
     def get_engine_cls(cls, name: str) -> type[WeightTransferEngine]:
         loader = cls._registry.get(name)
+        if loader is None and ":" in name:  # "package.module:Class", loaded where the engine runs
+            module_path, _, class_name = name.rpartition(":")
+            loader = _lazy_loader(module_path, class_name)
         if loader is None:
-            raise ValueError(f"Invalid weight transfer backend: {name}. Available engines: {cls.available_engines()}")
+            raise ValueError(
+                f"Invalid weight transfer backend: {name}. Available engines: {cls.available_engines()}. A backend "
+                "of your own: name it WeightTransferConfig(backend='package.module:Class'), or register it before "
+                "creating the engine (the engine core runs in its own process and loads it there)"
+            )
         return loader()
 
     @classmethod

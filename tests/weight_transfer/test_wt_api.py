@@ -9,6 +9,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from rlserve.config import WeightTransferConfig
+from rlserve.sampling_params import SamplingParams
 from rlserve.weight_transfer import (
     IPCWeightTransferEngine,
     NCCLWeightTransferEngine,
@@ -277,3 +278,24 @@ def test_checksums() -> None:
         "missing": ["c"],
         "unexpected": ["d"],
     }
+
+
+def test_backends_are_loaded_inside_the_core_process(qwen3_dir, make_llm, monkeypatch):
+    """The core runs in its own process: a backend named by import path loads there; one registered here by a class
+    it cannot import (defined in a function) is refused with the fix named, and the engine keeps serving."""
+    ipc_by_path = WeightTransferConfig("rlserve.weight_transfer.ipc:IPCWeightTransferEngine")
+    by_path = make_llm(qwen3_dir, weight_transfer_config=ipc_by_path)
+    with pytest.raises(RuntimeError, match="CUDA"):  # the ipc backend itself refuses a CPU engine at the handshake
+        by_path.init_weight_transfer_engine({"init_info": {}})
+    by_path.shutdown()
+
+    class LocalEngine(IPCWeightTransferEngine):
+        pass
+
+    monkeypatch.setattr(WeightTransferEngineFactory, "_registry", dict(WeightTransferEngineFactory._registry))
+    WeightTransferEngineFactory.register_engine("local-only", LocalEngine)
+    llm = make_llm(qwen3_dir, weight_transfer_config=WeightTransferConfig("local-only"))
+    with pytest.raises(ValueError, match="package.module:Class"):
+        llm.init_weight_transfer_engine({"init_info": {}})
+    assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
