@@ -8,7 +8,8 @@ Both sides get the same engine arguments and, per repetition, the same fresh ran
 cache of an earlier repetition cannot help). The server runs in its own process (`rlserve serve`); the clients are
 `--concurrency` httpx tasks in this process, each sending one non-streaming (or `--stream`) /v1/completions at a
 time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported: output tokens/s per repetition, their
-median, and the server/offline ratio of medians.
+median, and the server/offline ratio of medians. Flags of `rlserve serve` that are not engine flags reach the server
+alone through `--server-arg=--flag=value` (repeatable), e.g. `--server-arg=--api-server-count=2`.
 
 On a CPU shared with other work, torch's intra-op threads can stall each other and cut throughput tenfold at random;
 `--cpu-threads 1` (both sides) gives figures that mean something there.
@@ -74,6 +75,7 @@ def free_port() -> int:
 def start_server(model_dir: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", model_dir, "--port", str(port), "--log-level", "warning"]
     cmd += engine_flags(**engine_args(args))
+    cmd += args.server_arg  # server-only flags (not engine fields), e.g. --api-server-count=2
     env = dict(os.environ)
     if args.cpu_threads:
         env["OMP_NUM_THREADS"] = str(args.cpu_threads)  # torch's intra-op threads in the server process
@@ -160,6 +162,13 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--cpu-threads", type=int, default=None, help="torch intra-op threads, both sides")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `rlserve serve` argument for the server side only, repeatable; write it as --server-arg=--flag=v",
+    )
     # --dtype not given: bfloat16 on cuda, float32 on cpu (the toy model is made in it too).
     add_engine_arguments(ap, defaults={"device": "cpu", "max_num_seqs": 1024, "max_num_batched_tokens": 16384})
     args = ap.parse_args()
@@ -185,6 +194,7 @@ def main() -> int:
         f"\nW7 server throughput: preset={args.preset} device={args.device} dtype={args.dtype} "
         f"prompts={args.num_prompts} in={args.input_len} out={args.output_len} concurrency={args.concurrency} "
         f"stream={args.stream} repeats={args.repeats} cpu_threads={args.cpu_threads or torch.get_num_threads()}"
+        + (f" server_args={' '.join(args.server_arg)}" if args.server_arg else "")
     )
     print(f"| {'mode':<8} | {'output tok/s per repetition':<40} | {'median tok/s':>12} | {'vs offline':>10} |")
     print(f"|{'-' * 10}|{'-' * 42}|{'-' * 14}|{'-' * 12}|")

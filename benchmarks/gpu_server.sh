@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# One device call for the engine core in its own process (ZMQ + msgspec between front end and core), on one H200,
+# model qwen3-0.6b-shape in bf16 (random weights, built once here and shared by the parts):
+#   w1_mp, w1_inproc   W1 offline `LLM.generate` (benchmarks/throughput.py), the core in its own process (the
+#                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run. Should
+#                      throughput.py fail with the core in its own process (it reads the in-process engine's runner),
+#                      both modes are measured instead by the plain LLM.generate timing below (w1_plain_*).
+#   w7, w7_stream      W7 server vs offline (benchmarks/server_throughput.py, 1024 x 256 in / 256 out), without and
+#                      with streaming; API_SERVERS (1) and STREAM_INTERVAL (1) become --api-server-count and
+#                      --stream-interval (an engine flag to both sides of W7, a server-only one through --server-arg,
+#                      as their --help lists them), and go to the start-up parts too.
+#   startup            seconds from starting `rlserve serve` to its first served completion (benchmarks/startup_time.py;
+#                      the Triton cache is warm by then), and startup_inproc the same with the core in-process.
+#   w4_ipc, demo_ipc   weight sync over ipc (100 updates) and the ipc demo (40 steps).
+# Each part has its own time limit, and none runs past BUDGET_S (default 540) from the script's start: a part that would
+# is cut to what is left, and one with less than 30 s left is skipped. SKIP="w4_ipc demo_ipc ..." skips parts by name.
+# Logs go to /tmp/gpu_server (LOGS) and travel back as $OUT/gpu_server_logs.tgz, re-packed after every part so a cut-off
+# run still returns them; $OUT/summary.txt and the end of the output hold the summary.
+# The server's Python packages travel as wheels when the image lacks them. Device call:
+#   run(command="bash benchmarks/gpu_server.sh", carry=[".whl"], timeout_s=600)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}
+LOGS=${LOGS:-/tmp/gpu_server}
+BUDGET_S=${BUDGET_S:-540}
+API_SERVERS=${API_SERVERS:-1}
+STREAM_INTERVAL=${STREAM_INTERVAL:-1}
+W7_REPEATS=${W7_REPEATS:-2}
+SKIP=${SKIP:-}
+# For a smoke test elsewhere: DEVICE=cpu DTYPE=float32 PRESET=tiny W1_SCALE=0.01 NUM_PROMPTS=16 SEQ_LEN=16.
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+PRESET=${PRESET:-qwen3-0.6b-shape}
+W1_SCALE=${W1_SCALE:-1}
+NUM_PROMPTS=${NUM_PROMPTS:-1024}
+SEQ_LEN=${SEQ_LEN:-256}
+T0=$SECONDS
+mkdir -p "$OUT" "$LOGS"
+SUM=$LOGS/summary.txt
+: >"$SUM"
+
+pack() {  # the logs so far, to $OUT (at most 8 files come back: one archive and the summary)
+  tar czf "$OUT/gpu_server_logs.tgz.part" -C "$LOGS" . 2>/dev/null && mv "$OUT/gpu_server_logs.tgz.part" "$OUT/gpu_server_logs.tgz"
+  cp "$SUM" "$OUT/summary.txt"
+}
+
+KNOWN_PIDS=" "  # GPU processes not to wait for: there before the run, or seen surviving a kill
+gpu_pids() {  # the processes on the GPU now, less the known ones
+  local p
+  for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -dc '0-9\n'); do
+    case "$KNOWN_PIDS" in *" $p "*) ;; *) echo "$p" ;; esac
+  done
+}
+KNOWN_PIDS=" $(gpu_pids | tr '\n' ' ')"
+
+settle() {  # wait for what the part left on the GPU to go (up to 15 s); kill what stays, by pid
+  local name=$1 left p
+  for _ in $(seq 15); do
+    [ -z "$(gpu_pids)" ] && return
+    sleep 1
+  done
+  left=$(gpu_pids | tr '\n' ' ')
+  echo "   GPU still in use after $name by pids $left: killed" | tee -a "$SUM"
+  for p in $left; do kill -KILL "$p" 2>/dev/null; done
+  sleep 2
+  KNOWN_PIDS="$KNOWN_PIDS$(gpu_pids | tr '\n' ' ') "  # what a kill did not end: not waited for again
+}
+
+part() {  # part NAME SECONDS COMMAND...: the command, at most SECONDS and never past the budget
+  local name=$1 limit=$2 left pid rc t
+  shift 2
+  case " $SKIP " in *" $name "*)
+    echo "   skipped ($name): SKIP" | tee -a "$SUM"
+    return 98
+    ;;
+  esac
+  left=$((BUDGET_S - (SECONDS - T0)))
+  if [ "$left" -lt 30 ]; then
+    echo "   skipped ($name): ${left} s of the budget left" | tee -a "$SUM"
+    return 99
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit} s, $((SECONDS - T0)) s into the run)"
+  t=$SECONDS
+  # timeout runs in a process group of its own and signals all of it; what is left in that group afterwards goes too.
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1 &
+  pid=$!
+  wait "$pid"
+  rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null
+  echo "   exit $rc after $((SECONDS - t)) s ($name)" | tee -a "$SUM"
+  grep -v "Loading weights\|Writing model" "$LOGS/$name.log" | tail -n "${TAIL:-12}"
+  settle "$name"
+  pack
+  return $rc
+}
+
+nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
+if ! python3 -c "import fastapi, uvicorn, zmq, msgspec, pydantic, httpx, prometheus_client" 2>/dev/null; then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "the image lacks the server's packages and no wheels came along: carry .whl (see the header)" | tee -a "$SUM"
+    pack
+    exit 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 -c "import torch, triton, fastapi, uvicorn, pydantic, zmq, msgspec; print('torch', torch.__version__, \
+'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'pydantic', \
+pydantic.VERSION, 'pyzmq', zmq.__version__, 'libzmq', zmq.zmq_version(), 'msgspec', msgspec.__version__)" \
+  | tee -a "$LOGS/gpu.txt"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$LOGS/gpu.txt"
+git status --short 2>/dev/null | head -n 30 >>"$LOGS/gpu.txt"
+
+# API_SERVERS and STREAM_INTERVAL: an engine flag (server_throughput.py lists it) goes to both sides of W7, a flag of
+# `rlserve serve` alone to its server side; both to the start-up parts. A flag neither has is left out at its default 1.
+timeout 90 python3 -m rlserve.cli serve --help >"$LOGS/serve_help.txt" 2>&1 &
+timeout 90 python3 benchmarks/server_throughput.py --help >"$LOGS/w7_help.txt" 2>&1 &
+wait
+W7_ARGS=() STARTUP_ARGS=()
+flag() {  # flag NAME VALUE
+  local name=$1 value=$2
+  if grep -qE -- "^ +$name( |,|$)" "$LOGS/w7_help.txt"; then
+    W7_ARGS+=("$name=$value")
+  elif grep -qE -- "^ +$name( |,|$)" "$LOGS/serve_help.txt" || [ "$value" != 1 ]; then
+    W7_ARGS+=("--server-arg=$name=$value")  # asked for where serve lacks it: it says so and the part fails
+  else
+    echo "   note: rlserve serve has no $name; not passed" | tee -a "$SUM"
+    return
+  fi
+  STARTUP_ARGS+=("--serve-arg=$name=$value")
+}
+flag --api-server-count "$API_SERVERS"
+flag --stream-interval "$STREAM_INTERVAL"
+echo "W7 flags: ${W7_ARGS[*]:-none}; start-up flags: ${STARTUP_ARGS[*]:-none}" | tee -a "$SUM"
+
+# The model, once (bf16, as every part below runs it); a part builds its own if this fails.
+MODEL=/tmp/rlserve-$PRESET-$DTYPE
+MODEL_ARGS=()
+if part model 150 python3 -c "import torch; from rlserve.toy import make_model_dir
+print(make_model_dir('$MODEL', preset='$PRESET', dtype=torch.$DTYPE))"; then
+  MODEL_ARGS=(--model-dir "$MODEL")
+fi
+
+W1=(python3 benchmarks/throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --workloads W1 --hf none
+  --scale "$W1_SCALE")
+if part w1_mp 150 "${W1[@]}" "${MODEL_ARGS[@]}" --out "$LOGS/w1_mp.json"; then
+  part w1_inproc 120 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${W1[@]}" "${MODEL_ARGS[@]}" --out "$LOGS/w1_inproc.json"
+else
+  # Both modes through the same plain timing: W1's prompts from throughput.py, one untimed run, then two timed ones.
+  # argv: model dir (empty: build one), preset, device, dtype, scale.
+  W1_PLAIN='
+import json, statistics, sys, tempfile, time
+import torch
+sys.path.insert(0, "benchmarks")
+from throughput import workloads
+from rlserve import LLM
+from rlserve.toy import make_model_dir
+model, preset, device, dtype, scale = sys.argv[1:6]
+model = model or str(make_model_dir(tempfile.mkdtemp(), preset=preset, dtype=getattr(torch, dtype)))
+vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+t0 = time.perf_counter()
+llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=2048)
+print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
+prompts, params = workloads("W1", vocab, float(scale), seed=0)
+rates = []
+for i in range(3):
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    label = "untimed warm-up" if i == 0 else "timed"
+    print(f"run {i} ({label}): {n} tokens in {dt:.2f} s = {n / dt:,.0f} tok/s", flush=True)
+    rates.append(n / dt)
+llm.shutdown()
+print(f"W1 plain: {statistics.median(rates[1:]):,.0f} output tok/s (median of {len(rates) - 1})")
+'
+  PLAIN=(python3 -c "$W1_PLAIN" "${MODEL_ARGS[1]:-}" "$PRESET" "$DEVICE" "$DTYPE" "$W1_SCALE")
+  part w1_plain_mp 110 "${PLAIN[@]}"
+  part w1_plain_inproc 110 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${PLAIN[@]}"
+fi
+
+W7=(python3 benchmarks/server_throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
+  --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" --output-len "$SEQ_LEN" --repeats "$W7_REPEATS"
+  "${MODEL_ARGS[@]}" "${W7_ARGS[@]}")
+part w7 200 "${W7[@]}"
+part w7_stream 220 "${W7[@]}" --stream
+
+STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" "${MODEL_ARGS[@]}"
+  "${STARTUP_ARGS[@]}")
+part startup 100 "${STARTUP[@]}" --timeout 90 --log "$LOGS/startup_server.log" --out "$LOGS/startup.json"
+part w4_ipc 120 python3 benchmarks/weight_sync.py --backend ipc --updates 100 --out "$LOGS/w4_ipc.json"
+part demo_ipc 150 python3 -m rlserve.cli demo --device "$DEVICE" --backend ipc --steps 40 --out "$LOGS/demo_ipc"
+part startup_inproc 100 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${STARTUP[@]}" --timeout 90 \
+  --log "$LOGS/startup_inproc_server.log" --out "$LOGS/startup_inproc.json"
+
+{
+  echo
+  echo "==== gpu_server.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || echo "no GPU"):" \
+    "$DEVICE $PRESET $DTYPE, $((SECONDS - T0)) s in all"
+  grep -h "^torch\|^commit" "$LOGS/gpu.txt"
+  for name in w1_mp w1_inproc; do
+    [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 " "$LOGS/$name.log" | sed "s/^/$name: /"
+  done
+  for name in w1_plain_mp w1_plain_inproc; do
+    [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 plain" "$LOGS/$name.log" | sed "s/^/$name: /"
+  done
+  for name in w7 w7_stream; do
+    [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server" "$LOGS/$name.log" | sed "s/^/$name: /"
+  done
+  for name in startup startup_inproc; do
+    [ -f "$LOGS/$name.log" ] && grep -h "^startup" "$LOGS/$name.log" | sed "s/^/$name: /"
+  done
+  [ -f "$LOGS/w4_ipc.log" ] && grep -v "^done:" "$LOGS/w4_ipc.log" | tail -n 6 | sed "s/^/w4_ipc: /"
+  [ -f "$LOGS/demo_ipc.log" ] && grep -h "^warm-up\|^reward" "$LOGS/demo_ipc.log" | sed "s/^/demo_ipc: /"
+  echo "exit codes (124: hit its limit; 98/99: skipped):"
+  cat "$SUM"
+} >"$LOGS/final.txt"
+cp "$LOGS/final.txt" "$SUM.new" && mv "$SUM.new" "$SUM"
+pack
+cat "$SUM"
