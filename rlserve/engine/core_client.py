@@ -39,6 +39,7 @@ from rlserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 LIVENESS_INTERVAL_S = 0.2
+IN_PROCESS = b"in-process"  # the one front end of a core in this process
 _ERRORS: dict[str, type[BaseException]] = {
     e.__name__: e for e in (ValueError, RuntimeError, TimeoutError, TypeError, KeyError, NotImplementedError)
 }
@@ -108,14 +109,14 @@ class InprocClient:
         self._results[result.call_id] = result
 
     def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
-        self.service.handle(None, AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+        self.service.handle(IN_PROCESS, AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
 
     def abort(self, request_ids: list[str]) -> None:
-        self.service.handle(None, AbortRequests(list(request_ids)))
+        self.service.handle(IN_PROCESS, AbortRequests(list(request_ids)))
 
     def call(self, method: str, *args: Any) -> Any:
         call_id = next(self._ids)
-        self.service.handle(None, UtilityCall(call_id, method, list(args)))
+        self.service.handle(IN_PROCESS, UtilityCall(call_id, method, list(args)))
         while call_id not in self._results:
             self.service.run_once()
         return raise_for(self._results.pop(call_id))
@@ -299,7 +300,7 @@ class AsyncInprocClient(AsyncClientBase):
             except queue.Empty:
                 message = None
             if message is not None:
-                service.handle(None, message)
+                service.handle(IN_PROCESS, message)
                 continue  # take every queued message before the next step
             service.run_once()
             if service.failure is not None and self.loop is not None:
