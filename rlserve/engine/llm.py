@@ -16,6 +16,7 @@ from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import EngineDeadError, make_client
 from rlserve.engine.limits import EngineLimits
 from rlserve.engine.output_processor import OutputProcessor
+from rlserve.model.loader import load_hf_config
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,6 +61,10 @@ class EngineFrontEnd:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = make_engine_config(model, **kwargs)
+        # The core checks the directory too, but it starts after the tokenizer is loaded: check it here first, so a
+        # missing directory or config.json, or an unsupported architecture, is a ValueError naming the model rather
+        # than whatever the tokenizer loader makes of it.
+        load_hf_config(model)
         self.tokenizer = load_tokenizer(model)
         self.output_processor = OutputProcessor(self.tokenizer)
 
