@@ -30,6 +30,11 @@ def good_tokens(llm, generate) -> list[int]:
     return out.outputs[0].token_ids
 
 
+def assert_nothing_in_flight(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
 def assert_still_serves(llm: LLM, generate, good_tokens: list[int]) -> None:
     (out,) = generate(llm, "good", GOOD)
     assert out.outputs[0].token_ids == good_tokens
@@ -61,7 +66,7 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm, generate, good_tokens) -> Non
     """Validation covers the whole batch before anything is queued: the good prompts of a failed call do not leak."""
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(["fine", "also fine", {"prompt_token_ids": [999]}], GOOD, use_tqdm=False)
-    assert not llm.engine_core.has_unfinished_requests()
+    assert_nothing_in_flight(llm)
     assert_still_serves(llm, generate, good_tokens)
 
 
@@ -111,7 +116,7 @@ def test_seed_outside_64_bits_leaves_engine_clean(llm, generate, good_tokens) ->
     """A seed torch cannot take is refused when the params are made, naming the field; the engine keeps serving."""
     with pytest.raises(ValueError, match="seed"):
         llm.generate(["fine", "bad seed"], [GOOD, SamplingParams(temperature=1.0, max_tokens=4, seed=2**64)])
-    assert not llm.engine_core.has_unfinished_requests()
+    assert_nothing_in_flight(llm)
     assert_still_serves(llm, generate, good_tokens)
 
 
@@ -119,7 +124,7 @@ def test_seed_outside_64_bits_leaves_engine_clean(llm, generate, good_tokens) ->
 def test_logprobs_above_vocab_size(qwen3_dir, make_llm, generate, field: str) -> None:
     """With max_logprobs above the vocabulary, k > vocab must be refused (or clamped), never crash the step."""
     llm = make_llm(qwen3_dir, max_logprobs=1000)
-    vocab = llm.engine_core.vocab_size
+    vocab = llm.limits.vocab_size
     try:
         outputs = llm.generate("hi", SamplingParams(max_tokens=2, **{field: vocab + 1}), use_tqdm=False)
     except ValueError as error:
@@ -127,7 +132,7 @@ def test_logprobs_above_vocab_size(qwen3_dir, make_llm, generate, field: str) ->
     else:
         entries = outputs[0].outputs[0].logprobs if field == "logprobs" else outputs[0].prompt_logprobs[1:]
         assert all(len(entry) <= vocab for entry in entries)
-    assert not llm.engine_core.has_unfinished_requests()
+    assert_nothing_in_flight(llm)
     (out,) = generate(llm, "hi", SamplingParams(temperature=0.0, max_tokens=2, **{field: vocab}))
     entries = out.outputs[0].logprobs if field == "logprobs" else out.prompt_logprobs[1:]
     assert all(len(entry) == vocab for entry in entries)
@@ -215,15 +220,20 @@ def test_checkpoint_missing_a_tensor(qwen3_dir, tmp_path: Path) -> None:
 
 
 def count_checks(engine: LLM | AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
-    """The prompts the engine's one request check sees, in order."""
+    """The prompts the engine's one request check (its front end's limits, checked before anything reaches the
+    core) sees, in order."""
     checked: list[list[int]] = []
-    check = engine.engine_core.validate
+    limits = engine.limits
 
-    def counting_check(prompt_token_ids: list[int], params: SamplingParams) -> None:
-        checked.append(prompt_token_ids)
-        check(prompt_token_ids, params)
+    class CountingLimits:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(limits, name)
 
-    monkeypatch.setattr(engine.engine_core, "validate", counting_check)
+        def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+            checked.append(prompt_token_ids)
+            limits.check(prompt_token_ids, params)
+
+    monkeypatch.setattr(engine, "limits", CountingLimits())
     return checked
 
 
