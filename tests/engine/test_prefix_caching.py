@@ -25,7 +25,7 @@ def test_outputs_identical_with_and_without_prefix_caching(qwen3_dir, make_llm, 
             rounds.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.num_cached_tokens) for o in outs])
         results[enabled] = rounds
         if not enabled:
-            assert llm.engine_core.kv_cache.prefix_hits == 0
+            assert llm.stats()["prefix_cache_hits"] == 0
             assert all(cached == 0 for r in rounds for _, _, cached in r)
 
     for cached_round, plain_round in zip(results[True], results[False], strict=True):
@@ -42,16 +42,15 @@ def test_outputs_identical_with_and_without_prefix_caching(qwen3_dir, make_llm, 
 
 def test_shared_prefix_hits_in_a_later_call(qwen3_dir, make_llm, generate, hf) -> None:
     llm = make_llm(qwen3_dir, block_size=BLOCK)
-    kv = llm.engine_core.kv_cache
     (first,) = generate(llm, SYSTEM + QUESTIONS[0], greedy())
     assert first.num_cached_tokens == 0
-    hits_before = kv.prefix_hits
+    hits_before = llm.stats()["prefix_cache_hits"]
 
     (second,) = generate(llm, SYSTEM + QUESTIONS[1], greedy())
     shared = len(llm.get_tokenizer()(SYSTEM).input_ids)
     # SYSTEM's full blocks; the block that straddles into the question differs between the two prompts.
     assert second.num_cached_tokens == shared // BLOCK * BLOCK
-    assert kv.prefix_hits - hits_before == second.num_cached_tokens
+    assert llm.stats()["prefix_cache_hits"] - hits_before == second.num_cached_tokens
     assert second.outputs[0].token_ids == hf.greedy(qwen3_dir, second.prompt_token_ids, 10)
 
 
@@ -144,7 +143,7 @@ def test_samples_of_one_prompt_compute_it_once(qwen3_dir, make_llm, generate, tr
     params = SamplingParams(n=8, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logprobs=0)
     reference = generate(make_llm(qwen3_dir, enable_prefix_caching=False), [prompt], params)[0]
 
-    llm = make_llm(qwen3_dir, **kwargs)
+    llm = make_llm(qwen3_dir, in_process=True, **kwargs)  # in process: each sample's cached tokens are read off
     requests = tracked(llm)
     out = generate(llm, [prompt], params)[0]
 

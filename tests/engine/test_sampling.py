@@ -33,7 +33,10 @@ def test_seeded_request_is_independent_of_its_batch(qwen3_dir, make_llm, generat
         assert outputs[position].outputs[0].token_ids == tokens
 
     # And under chunked prefill plus preemption, which change every step's batch composition.
-    tight = make_llm(qwen3_dir, block_size=4, num_kv_blocks=40, max_model_len=64, max_num_batched_tokens=16)
+    # In process: the preemption count is read off the scheduler's requests.
+    tight = make_llm(
+        qwen3_dir, in_process=True, block_size=4, num_kv_blocks=40, max_model_len=64, max_num_batched_tokens=16
+    )
     requests = tracked(tight)
     outputs = generate(tight, prompts[:16] + [prompt], others[:16] + [SEEDED])
     assert outputs[-1].outputs[0].token_ids == tokens
