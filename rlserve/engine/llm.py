@@ -85,6 +85,18 @@ class EngineFrontEnd:
         self.limits.check(token_ids, params)
         return ValidatedPrompt(text, token_ids, params)
 
+    @property
+    def engine_core(self) -> EngineCore:
+        """The core object itself, for tests and tools of its internals; only when it runs in this process
+        (for AsyncLLM it steps on a thread of its own: change it only before the first request)."""
+        service = getattr(self.client, "service", None)
+        if service is None:
+            raise AttributeError(
+                "engine_core: the engine core runs in its own process; set RLSERVE_ENABLE_MULTIPROCESSING=0 to "
+                "keep it in this one"
+            )
+        return service.core
+
     def worker_extension_methods(self) -> set[str]:
         """The methods of `worker_extension_cls` that collective_rpc may call by name."""
         return set(self._extension_methods)
@@ -98,17 +110,6 @@ class LLM(EngineFrontEnd):
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self._connected(self.client.engine_info)
         self._ids = itertools.count()
-
-    @property
-    def engine_core(self) -> EngineCore:
-        """The core object itself, for tests and tools of its internals; only when it runs in this process."""
-        service = getattr(self.client, "service", None)
-        if service is None:
-            raise AttributeError(
-                "engine_core: the engine core runs in its own process; set RLSERVE_ENABLE_MULTIPROCESSING=0 to "
-                "keep it in this one"
-            )
-        return service.core
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
