@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import statistics
 import sys
 import tempfile
@@ -165,6 +166,9 @@ def main() -> int:
     WeightTransferEngineFactory.register_engine("local", LocalWeightTransferEngine)
     # The model is made in the device's dtype and the updates go through the in-process "local" backend.
     fixed = dict(dtype=str(dtype).removeprefix("torch."), weight_transfer_config=WeightTransferConfig(backend="local"))
+    # The core in this process: the "local" backend hands the trainer's tensors over by reference, and the benchmark
+    # reads the weights, the vocabulary size and the step count off the engine core object.
+    os.environ["RLSERVE_ENABLE_MULTIPROCESSING"] = "0"
     engine = AsyncLLM(str(model_dir), **{**engine_kwargs(args), **fixed})
     # The trainer's copy of the weights, on the engine's device: a full update every time.
     trainer_weights = [(name, t.clone()) for name, t in engine.engine_core.runner.model.checkpoint_weights()]

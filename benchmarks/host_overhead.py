@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -41,6 +42,8 @@ def main() -> None:
     model_dir = make_model_dir(tempfile.mkdtemp(), preset="tiny", max_position_embeddings=4096)
     blocks = args.batch * ((args.prompt_len + args.output_len) // 16 + 2)
     engine_cls = AsyncLLM if args.stream else LLM
+    # The core in this process: the benchmark stubs the runner's forward (or launch) on the engine core object.
+    os.environ["RLSERVE_ENABLE_MULTIPROCESSING"] = "0"
     llm = engine_cls(str(model_dir), max_num_seqs=args.batch, max_num_batched_tokens=16384, num_kv_blocks=blocks)
 
     runner = llm.engine_core.runner
