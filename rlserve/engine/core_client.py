@@ -9,6 +9,7 @@ dies, everything pending fails with `EngineDeadError` within a second and every 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import itertools
 import logging
 import os
@@ -54,6 +55,16 @@ def raise_for(result: UtilityResult) -> Any:
         return result.value
     cls = _ERRORS.get(result.error_type)
     if cls is None:
+        # Any other built-in exception comes back as itself too (a weight transfer's ConnectionError, an OSError);
+        # only the names of builtins are looked up, never a class the message could pick.
+        builtin = getattr(builtins, result.error_type, None)
+        if isinstance(builtin, type) and issubclass(builtin, Exception):
+            try:
+                error = builtin(result.error)
+            except TypeError:  # one whose constructor takes more than a message (UnicodeDecodeError)
+                error = None
+            if error is not None:
+                raise error
         raise RuntimeError(f"{result.error_type}: {result.error}")
     raise cls(result.error)
 
