@@ -66,7 +66,7 @@ def test_async_outputs_equal_sync(qwen3_dir, make_llm, generate, tracked, kwargs
     stop_token = generate(sync, [PROMPTS[2]], greedy)[0].outputs[0].token_ids[5]
     expected = generate(sync, PROMPTS, mixed_params(stop_token))
 
-    engine = make_llm(qwen3_dir, **kwargs)
+    engine = make_llm(qwen3_dir, in_process=True, **kwargs)  # in process: the requests' placeholders are read off
     requests = tracked(engine)
     got = generate(engine, PROMPTS, mixed_params(stop_token))
 
@@ -80,7 +80,7 @@ def test_async_outputs_equal_sync(qwen3_dir, make_llm, generate, tracked, kwargs
 
 
 def test_next_step_launches_before_the_previous_is_read(qwen3_dir, make_llm, generate) -> None:
-    llm = make_llm(qwen3_dir)
+    llm = make_llm(qwen3_dir, in_process=True)  # in process: the runner's launches and resolves are logged
     runner = llm.engine_core.runner
     events: list[str] = []
     launch, resolve = runner.launch, runner.resolve
@@ -109,7 +109,7 @@ def test_next_step_launches_before_the_previous_is_read(qwen3_dir, make_llm, gen
 def test_final_only_requests_send_their_tokens_at_the_end(qwen3_dir, make_llm) -> None:
     """Final-only requests get one output, not one per step; a weight-version change splits it so that every token
     keeps the version it was sampled with, and an abort still returns what was sampled."""
-    llm = make_llm(qwen3_dir)
+    llm = make_llm(qwen3_dir, in_process=True)  # in process: the test steps the core itself
     core = llm.engine_core
     prompt = PROMPTS[1]["prompt_token_ids"]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -153,7 +153,8 @@ def test_blocks_are_shared_from_the_step_that_computes_them(qwen3_dir, make_llm)
     for mode in (False, True):
         # The token budget fits one prompt per step: "second" is admitted in the step after "first"'s prefill,
         # which with async scheduling is scheduled before that prefill is read back.
-        llm = make_llm(qwen3_dir, block_size=16, max_num_batched_tokens=64, async_scheduling=mode)
+        # In process: the test steps the core itself.
+        llm = make_llm(qwen3_dir, in_process=True, block_size=16, max_num_batched_tokens=64, async_scheduling=mode)
         core = llm.engine_core
         core.add_request("first", prompt, params)
         core.add_request("second", prompt, params)

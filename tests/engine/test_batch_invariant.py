@@ -57,7 +57,7 @@ def test_a_request_gives_the_same_bits_alone_in_a_batch_chunked_and_from_the_pre
     # Again: its full prompt blocks now come from the prefix cache, only the rest is computed.
     cached = run(llm, generate, [TARGET], [7])[0]
     assert cached == alone
-    assert llm.engine_core.kv_cache.prefix_hits > 0
+    assert llm.stats()["prefix_cache_hits"] > 0
     # A budget of 8 tokens per step: the prompt is computed in chunks, mixed with other requests' decode rows.
     chunked_llm = make(make_llm, model_dir, max_num_batched_tokens=8, enable_prefix_caching=False)
     chunked = run(chunked_llm, generate, OTHERS[:3] + [TARGET], [1, 2, 3, 7])[3]

@@ -27,10 +27,20 @@ def test_an_extension_method_loads_weights_like_vllm_code(qwen3_dir, qwen3_alt_d
     llm.reset_prefix_cache()  # the extension wrote weights behind the engine's back, as in vLLM
     assert tokens(llm) == expected
     assert llm.collective_rpc("describe") == [{"rank": 0, "local_rank": 0, "device": "cpu"}]
-    # A function runs with the worker as its first argument.
+    # The core runs in its own process: a function is refused (nothing is pickled), naming the field.
+    with pytest.raises(ValueError, match="^method: .*takes no functions"):
+        llm.collective_rpc(lambda worker: worker.rank)
+
+
+def test_a_function_runs_with_the_worker_first_in_process(qwen3_dir, make_llm) -> None:
+    """With the core in this process a function runs with the worker as its first argument."""
+    llm = make_llm(qwen3_dir, in_process=True, worker_extension_cls=EXTENSION)
     assert llm.collective_rpc(lambda worker, k: worker.model_runner.model.spec.num_layers * k, args=(2,)) == [
         2 * llm.engine_core.runner.spec.num_layers
     ]
+    assert llm.collective_rpc("describe") == [{"rank": 0, "local_rank": 0, "device": "cpu"}]
+    # Without an extension the worker is still there for functions.
+    assert make_llm(qwen3_dir, in_process=True).collective_rpc(lambda w: w.rank) == [0]
 
 
 def test_collective_rpc_errors(qwen3_dir, make_llm) -> None:
@@ -43,8 +53,6 @@ def test_collective_rpc_errors(qwen3_dir, make_llm) -> None:
         make_llm(qwen3_dir, worker_extension_cls="worker_extension:ClashingExtension")
     with pytest.raises(ValueError, match="cannot import"):
         make_llm(qwen3_dir, worker_extension_cls="worker_extension:Missing")
-    # Without an extension the worker is still there for functions.
-    assert make_llm(qwen3_dir).collective_rpc(lambda w: w.rank) == [0]
 
 
 def test_async_collective_rpc_runs_between_steps(qwen3_dir) -> None:

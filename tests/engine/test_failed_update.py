@@ -68,7 +68,9 @@ def send(llm, weights: dict, update_id: str, fail_after: int = -1) -> None:
 
 def test_a_transfer_that_breaks_blocks_finish_and_resume_until_resent(qwen3_dir, qwen3_alt_dir, make_llm) -> None:
     new = load_file(str(qwen3_alt_dir / "model.safetensors"))
-    llm = make_llm(qwen3_dir, weight_transfer_config=WeightTransferConfig(backend=BACKEND))
+    # In process: this test's backend is registered, and hands tensors over by reference, in this process only; and
+    # the test pauses and resumes the core itself.
+    llm = make_llm(qwen3_dir, in_process=True, weight_transfer_config=WeightTransferConfig(backend=BACKEND))
     llm.init_weight_transfer_engine({"init_info": {}})
     core = llm.engine_core
     core.pause("keep", clear_cache=True)

@@ -41,7 +41,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 def test_greedy_matches_hf(toy_model, config, make_llm, generate, hf, tracked) -> None:
     _, path = toy_model
     kwargs = CONFIGS[config]
-    llm = make_llm(path, **kwargs)
+    llm = make_llm(path, in_process=True, **kwargs)  # in process: the preemptions are read off the requests
     requests = tracked(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     outputs = generate(llm, PROMPTS, params)

@@ -27,7 +27,7 @@ def _device_bytes(llm) -> int:
 
 @pytest.mark.parametrize("level", [0, 1])
 def test_sleep_and_wake_keep_the_outputs(qwen3_dir, make_llm, generate, level) -> None:
-    llm = make_llm(qwen3_dir)
+    llm = make_llm(qwen3_dir, in_process=True)  # in process: the device bytes are read off the runner
     before = _tokens(generate(llm, PROMPTS, GREEDY))
     checksums = llm.weight_checksums()
     held = _device_bytes(llm)
@@ -91,13 +91,13 @@ def test_requests_in_flight_sleep_and_finish_after_wake_up(tmp_path) -> None:
 
             tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
             if sleep_midway:
-                while engine.engine_core.num_generated_tokens < 20:
+                while (await engine.stats())["num_generated_tokens"] < 20:
                     await asyncio.sleep(0.001)
                 await engine.sleep(level=1)
-                produced = engine.engine_core.num_generated_tokens
+                produced = (await engine.stats())["num_generated_tokens"]
                 await engine.resume_generation()  # asleep: recorded, not applied
                 await asyncio.sleep(0.05)
-                assert await engine.is_sleeping() and engine.engine_core.num_generated_tokens == produced
+                assert await engine.is_sleeping() and (await engine.stats())["num_generated_tokens"] == produced
                 assert not any(t.done() for t in tasks)
                 await engine.wake_up()
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)

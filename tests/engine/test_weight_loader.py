@@ -42,7 +42,7 @@ def hf_greedy_with(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
 
 
 def test_partial_update_changes_exactly_those_rows(qwen3_dir, make_llm, generate, hf) -> None:
-    llm = make_llm(qwen3_dir)
+    llm = make_llm(qwen3_dir, in_process=True)  # in process: the model's parameters are read and written directly
     model = llm.engine_core.runner.model
     before_params, before_view = snapshot(llm), checkpoint_view(llm)
     generate(llm, PROMPTS, GREEDY)  # fill the prefix cache with KV of the old weights
@@ -103,7 +103,7 @@ GOOD = [
 @pytest.mark.parametrize("position", ["alone", "after-good", "between-good"])
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_tensor_changes_nothing(qwen3_dir, make_llm, generate, case: str, position: str) -> None:
-    llm = make_llm(qwen3_dir, lm_head_dtype="float32")
+    llm = make_llm(qwen3_dir, in_process=True, lm_head_dtype="float32")  # in process: the model is read directly
     model = llm.engine_core.runner.model
     assert model.spec.hidden_size == H
     (baseline,) = generate(llm, PROMPTS[0], GREEDY)
@@ -127,7 +127,7 @@ def test_bad_tensor_changes_nothing(qwen3_dir, make_llm, generate, case: str, po
 
 def test_checkpoint_weights_match_hf_state_dict(toy_model, make_llm, hf) -> None:
     _, path = toy_model
-    llm = make_llm(path)
+    llm = make_llm(path, in_process=True)  # in process: the model's checkpoint view is read directly
     model = llm.engine_core.runner.model
     ours = dict(model.checkpoint_weights())
     theirs = hf.model(path).state_dict()
@@ -146,7 +146,7 @@ def test_checkpoint_weights_match_hf_state_dict(toy_model, make_llm, hf) -> None
 def test_checkpoint_weights_round_trip_through_load_weights(toy_model, make_llm, generate, hf) -> None:
     """Loading an engine's own checkpoint view (or HF's state_dict) back writes every tensor and changes nothing."""
     _, path = toy_model
-    llm = make_llm(path)
+    llm = make_llm(path, in_process=True)  # in process: the model's parameters are read directly
     before = snapshot(llm)
     view = list(llm.engine_core.runner.model.checkpoint_weights())
     assert llm.load_weights([(n, t.clone()) for n, t in view]) == len(view)
@@ -175,13 +175,13 @@ def test_full_update_serves_the_new_model(qwen3_dir, qwen3_alt_dir: Path, lm_hea
         for j, (token, entry) in enumerate(zip(expected, after.outputs[0].logprobs, strict=True)):
             assert entry[token].logprob == pytest.approx(float(rows[j, token]), abs=1e-4)
     assert changed > 0
-    alt_view = {n: t for n, t in make_llm(qwen3_alt_dir).engine_core.runner.model.checkpoint_weights()}
-    assert_same(alt_view, {n: t for n, t in llm.engine_core.runner.model.checkpoint_weights()})
+    # SHA-256 of every tensor of the checkpoint view: equal bit for bit to a fresh engine on the new checkpoint.
+    assert llm.weight_checksums() == make_llm(qwen3_alt_dir).weight_checksums()
 
 
 def test_tied_head_follows_embedding_updates(model_dirs, make_llm, generate, hf) -> None:
     path = model_dirs["qwen3-tied"]
-    llm = make_llm(path, lm_head_dtype="float32")
+    llm = make_llm(path, in_process=True, lm_head_dtype="float32")  # in process: the head's tensor is read directly
     model = llm.engine_core.runner.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
     generate(llm, PROMPTS[0], GREEDY)  # builds the fp32 head copy
