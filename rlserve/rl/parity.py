@@ -8,7 +8,8 @@ The trainer-side API (`compare_logprobs`, `trainer_logprobs`) is `rlserve.rl.tra
 - lm_head: a 16-bit engine with its LM head in the model dtype vs in fp32 (`lm_head_dtype="float32"`).
 - prefix_cache: a weight update between two rounds of prompts that share a long prefix. rlserve resets the prefix
   cache on every update ("reset"); "off" runs without prefix caching; "stale" shows the bug the reset prevents by
-  writing the new weights through `collective_rpc`, which leaves KV computed under the old weights in the cache.
+  writing the new weights with `load_weights(..., reset_prefix_cache=False)`, as a custom weight-sync extension that
+  forgets the reset would, which leaves KV computed under the old weights in the cache.
 - batch_invariant: the engine in batch-invariant mode against its reference, rlserve's batch-invariant trainer-side
   forward in the engine's dtype (not `trainer`): zero difference, bit for bit.
 
@@ -74,12 +75,6 @@ def _write_trainer_weights(model: nn.Module, weights: list[tuple[str, torch.Tens
         return
     for name, tensor in weights:
         model.get_parameter(name).copy_(tensor)
-
-
-def _write_weights_keeping_prefix_cache(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on the engine's worker through vLLM's collective_rpc surface, the way a custom weight-sync extension
-    writes weights; whoever calls it must reset the prefix cache, and the stale scenario deliberately does not."""
-    worker.model_runner.model.load_weights(weights)
 
 
 # ---- models and prompts ----
@@ -310,8 +305,8 @@ def run_parity(
 
         def across_update(llm: LLM) -> dict[str, Rollouts]:
             sample_rollouts(llm, shared, sampling, seed)  # fills the prefix cache under the old weights
-            # Unlike LLM.load_weights, a write through collective_rpc leaves the prefix cache alone.
-            llm.collective_rpc(_write_weights_keeping_prefix_cache, args=(new,))
+            # The write a weight-sync extension that forgets the reset makes: the prefix cache is left alone.
+            llm.load_weights(new, reset_prefix_cache=False)
             stale = sample_rollouts(llm, shared, sampling, seed + len(shared))
             if not any(stale.num_cached_tokens):
                 raise RuntimeError("prefix_cache: the stale round hit no cached prefix; the scenario proves nothing")
