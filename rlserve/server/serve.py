@@ -35,7 +35,15 @@ EXIT_ENGINE_DEAD = 1
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), reuse_port=False, backlog=2048)
+    """The server's socket, bound once (and shared by the API server processes). Made with the protocol number
+    that getaddrinfo gives: asyncio sets TCP_NODELAY only on connections of a socket whose proto is IPPROTO_TCP,
+    and without it Nagle's algorithm and delayed ACKs held every small response ~40 ms."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = info[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 
