@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlserve.engine.core import resolve_pause_mode
 from rlserve.engine.core_client import AsyncMPClient, EngineDeadError, make_async_client
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
-from rlserve.engine.messages import EngineCoreOutput
+from rlserve.engine.messages import EngineCoreOutput, resolve_pause_mode
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams
 

@@ -15,7 +15,7 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.messages import EngineCoreOutput
+from rlserve.engine.messages import EngineCoreOutput, resolve_pause_mode
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.worker.extension import call as call_worker
@@ -26,18 +26,8 @@ from rlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
-
-
-def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:
-    """The pause mode asked for, checked; vLLM's deprecated `wait_for_inflight_requests=True` spells mode="wait"."""
-    if wait_for_inflight_requests:
-        mode = "wait"
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-    return mode
 
 
 @dataclass(slots=True)

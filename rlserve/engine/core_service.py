@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from rlserve.dtypes import dtype_from_name
-from rlserve.engine.core import EngineCore, resolve_pause_mode
+from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -26,6 +26,7 @@ from rlserve.engine.messages import (
     UtilityCall,
     UtilityResult,
     decode_token_ids,
+    resolve_pause_mode,
 )
 from rlserve.engine.worker.extension import extension_methods
 

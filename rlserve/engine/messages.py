@@ -32,6 +32,18 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:
+    """The pause mode asked for, checked; vLLM's deprecated `wait_for_inflight_requests=True` spells mode="wait"."""
+    if wait_for_inflight_requests:
+        mode = "wait"
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return mode
+
+
 # ---- front end -> core ----
 
 
