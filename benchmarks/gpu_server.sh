@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # One device call for the engine core in its own process (ZMQ + msgspec between front end and core), on one H200,
 # model qwen3-0.6b-shape in bf16 (random weights, built once here and shared by the parts):
-#   w1_mp, w1_inproc   W1 offline `LLM.generate` (benchmarks/throughput.py), the core in its own process (the
-#                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run. Should
-#                      throughput.py fail with the core in its own process (it reads the in-process engine's runner),
-#                      both modes are measured instead by the plain LLM.generate timing below (w1_plain_*).
+#   startup_cold       seconds from starting `rlserve serve` to its first served completion (benchmarks/startup_time.py)
+#                      on a cold Triton cache; startup_inproc and startup_warm (core in process / own process) at the end.
+#   w1_mp, w1_inproc   W1 through `LLM.generate` (benchmarks/offline_generate.py), the core in its own process (the
+#                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run.
 #   w7, w7_stream      W7 server vs offline (benchmarks/server_throughput.py, 1024 x 256 in / 256 out), without and
 #                      with streaming; API_SERVERS (1) and STREAM_INTERVAL (1) become --api-server-count and
-#                      --stream-interval (an engine flag to both sides of W7, a server-only one through --server-arg,
-#                      as their --help lists them), and go to the start-up parts too.
-#   startup            seconds from starting `rlserve serve` to its first served completion (benchmarks/startup_time.py;
-#                      the Triton cache is warm by then), and startup_inproc the same with the core in-process.
-#   w4_ipc, demo_ipc   weight sync over ipc (100 updates) and the ipc demo (40 steps).
+#                      --stream-interval. w7_profile: the same under py-spy (every process sampled; PROFILE_ARGS=--stream
+#                      profiles the streaming case).
+#   demo_ipc           the ipc demo (40 steps): sync and pause per step.
 # Each part has its own time limit, and none runs past BUDGET_S (default 540) from the script's start: a part that would
 # is cut to what is left, and one with less than 30 s left is skipped. SKIP="w4_ipc demo_ipc ..." skips parts by name.
 # Logs go to /tmp/gpu_server (LOGS) and travel back as $OUT/gpu_server_logs.tgz, re-packed after every part so a cut-off
@@ -26,7 +24,7 @@ LOGS=${LOGS:-/tmp/gpu_server}
 BUDGET_S=${BUDGET_S:-540}
 API_SERVERS=${API_SERVERS:-1}
 STREAM_INTERVAL=${STREAM_INTERVAL:-1}
-W7_REPEATS=${W7_REPEATS:-2}
+W7_REPEATS=${W7_REPEATS:-1}
 SKIP=${SKIP:-}
 # For a smoke test elsewhere: DEVICE=cpu DTYPE=float32 PRESET=tiny W1_SCALE=0.01 NUM_PROMPTS=16 SEQ_LEN=16.
 DEVICE=${DEVICE:-cuda}
@@ -144,58 +142,31 @@ print(make_model_dir('$MODEL', preset='$PRESET', dtype=torch.$DTYPE))"; then
   MODEL_ARGS=(--model-dir "$MODEL")
 fi
 
-W1=(python3 benchmarks/throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --workloads W1 --hf none
-  --scale "$W1_SCALE")
-if part w1_mp 150 "${W1[@]}" "${MODEL_ARGS[@]}" --out "$LOGS/w1_mp.json"; then
-  part w1_inproc 120 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${W1[@]}" "${MODEL_ARGS[@]}" --out "$LOGS/w1_inproc.json"
-else
-  # Both modes through the same plain timing: W1's prompts from throughput.py, one untimed run, then two timed ones.
-  # argv: model dir (empty: build one), preset, device, dtype, scale.
-  W1_PLAIN='
-import json, statistics, sys, tempfile, time
-import torch
-sys.path.insert(0, "benchmarks")
-from throughput import workloads
-from rlserve import LLM
-from rlserve.toy import make_model_dir
-model, preset, device, dtype, scale = sys.argv[1:6]
-model = model or str(make_model_dir(tempfile.mkdtemp(), preset=preset, dtype=getattr(torch, dtype)))
-vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
-t0 = time.perf_counter()
-llm = LLM(model, device=device, dtype=dtype, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=2048)
-print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
-prompts, params = workloads("W1", vocab, float(scale), seed=0)
-rates = []
-for i in range(3):
-    llm.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    label = "untimed warm-up" if i == 0 else "timed"
-    print(f"run {i} ({label}): {n} tokens in {dt:.2f} s = {n / dt:,.0f} tok/s", flush=True)
-    rates.append(n / dt)
-llm.shutdown()
-print(f"W1 plain: {statistics.median(rates[1:]):,.0f} output tok/s (median of {len(rates) - 1})")
-'
-  PLAIN=(python3 -c "$W1_PLAIN" "${MODEL_ARGS[1]:-}" "$PRESET" "$DEVICE" "$DTYPE" "$W1_SCALE")
-  part w1_plain_mp 110 "${PLAIN[@]}"
-  part w1_plain_inproc 110 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${PLAIN[@]}"
-fi
+STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" "${MODEL_ARGS[@]}"
+  "${STARTUP_ARGS[@]}")
+# First, on a cold Triton cache, as a fresh machine starts; again at the end, warm, beside the core in process.
+part startup_cold 100 "${STARTUP[@]}" --timeout 90 --log "$LOGS/startup_cold_server.log" --out "$LOGS/startup_cold.json"
+
+W1=(python3 benchmarks/offline_generate.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --scale "$W1_SCALE"
+  ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})
+part w1_mp 100 "${W1[@]}"
+part w1_inproc 100 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${W1[@]}"
 
 W7=(python3 benchmarks/server_throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
   --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" --output-len "$SEQ_LEN" --repeats "$W7_REPEATS"
   "${MODEL_ARGS[@]}" "${W7_ARGS[@]}")
-part w7 200 "${W7[@]}"
-part w7_stream 220 "${W7[@]}" --stream
-
-STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" "${MODEL_ARGS[@]}"
-  "${STARTUP_ARGS[@]}")
-part startup 100 "${STARTUP[@]}" --timeout 90 --log "$LOGS/startup_server.log" --out "$LOGS/startup.json"
-part w4_ipc 120 python3 benchmarks/weight_sync.py --backend ipc --updates 100 --out "$LOGS/w4_ipc.json"
-part demo_ipc 150 python3 -m rlserve.cli demo --device "$DEVICE" --backend ipc --steps 40 --out "$LOGS/demo_ipc"
-part startup_inproc 100 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${STARTUP[@]}" --timeout 90 \
+part w7 150 "${W7[@]}"
+part w7_stream 150 "${W7[@]}" --stream
+# Where the time goes with the server: py-spy samples every process of the benchmark (client, API server, core).
+if command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; then
+  SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  part w7_profile 120 "$SPY" record --subprocesses --nonblocking --rate 50 --format raw -o "$LOGS/w7_profile.txt" -- \
+    "${W7[@]}" ${PROFILE_ARGS:-}
+fi
+part demo_ipc 110 python3 -m rlserve.cli demo --device "$DEVICE" --backend ipc --steps 40 --out "$LOGS/demo_ipc"
+part startup_inproc 60 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${STARTUP[@]}" --timeout 55 \
   --log "$LOGS/startup_inproc_server.log" --out "$LOGS/startup_inproc.json"
+part startup_warm 60 "${STARTUP[@]}" --timeout 55 --log "$LOGS/startup_warm_server.log" --out "$LOGS/startup_warm.json"
 
 {
   echo
@@ -205,17 +176,17 @@ part startup_inproc 100 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${STARTUP[@]}" --t
   for name in w1_mp w1_inproc; do
     [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 " "$LOGS/$name.log" | sed "s/^/$name: /"
   done
-  for name in w1_plain_mp w1_plain_inproc; do
-    [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 plain" "$LOGS/$name.log" | sed "s/^/$name: /"
-  done
-  for name in w7 w7_stream; do
+  for name in w7 w7_stream w7_profile; do
     [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
-  for name in startup startup_inproc; do
+  for name in startup_cold startup_inproc startup_warm; do
     [ -f "$LOGS/$name.log" ] && grep -h "^startup" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
-  [ -f "$LOGS/w4_ipc.log" ] && grep -v "^done:" "$LOGS/w4_ipc.log" | tail -n 6 | sed "s/^/w4_ipc: /"
   [ -f "$LOGS/demo_ipc.log" ] && grep -h "^warm-up\|^reward" "$LOGS/demo_ipc.log" | sed "s/^/demo_ipc: /"
+  [ -f "$LOGS/demo_ipc/log.json" ] && python3 -c "import json, statistics as st
+s = json.load(open('$LOGS/demo_ipc/log.json'))['steps']
+print('demo_ipc: sync ms median', round(st.median(x['sync_ms'] for x in s), 1), 'pause ms median',
+      round(st.median(x['pause_ms'] for x in s), 1))"
   echo "exit codes (124: hit its limit; 98/99: skipped):"
   cat "$SUM"
 } >"$LOGS/final.txt"

@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlserve.engine.core_client import AsyncMPClient, EngineDeadError, make_async_client
+from rlserve.engine.args import make_engine_config
+from rlserve.engine.core_client import AsyncMPClient, EngineDeadError, make_async_client, registered_backends
+from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
-from rlserve.engine.messages import EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams
 
@@ -35,19 +36,25 @@ class _Stream:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def start_shared_core(model: str, **kwargs: Any) -> CoreProcess:
+    """An engine-core process for several front ends (`AsyncLLM(model, core_address=..., core_pid=...)` each), as
+    the API servers of `rlserve serve --api-server-count N` share one. Returns once it serves."""
+    config = make_engine_config(model, **kwargs)
+    core = CoreProcess(config, registered_backends(config))
+    core.wait_ready()
+    return core
+
+
 class AsyncLLM(EngineFrontEnd):
     def __init__(self, model: str, *, core_address: str | None = None, core_pid: int | None = None, **kwargs: Any):
         """`core_address`/`core_pid`: connect to an engine core another process started (the API servers of
         `rlserve serve --api-server-count N` share one) instead of starting one."""
-        super().__init__(model, **kwargs)
         if core_address is not None:
-            self.client = AsyncMPClient(address=core_address, pid=core_pid)
+            super().__init__(model, lambda config: AsyncMPClient(address=core_address, pid=core_pid), **kwargs)
         else:
-            self.client = make_async_client(self.config)
-        self._finalizer = weakref.finalize(self, self.client.shutdown)
+            super().__init__(model, make_async_client, **kwargs)
         self.client.on_outputs = self._on_core_outputs
         self.client.on_dead = self._on_core_dead
-        self._connected(self.client.engine_info)
         self.model_name = model
         self._ids = itertools.count()
         self._streams: dict[str, _Stream] = {}
@@ -105,7 +112,7 @@ class AsyncLLM(EngineFrontEnd):
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
-            self.client.add(child_ids, prompt.token_ids, [p for _, p in children])
+            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children])])
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):

@@ -27,15 +27,14 @@ from rlserve.engine.core_proc import CoreProcess, multiprocessing_enabled, pid_a
 from rlserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     Codec,
     EngineCoreOutput,
     StepOutputs,
     UtilityCall,
     UtilityResult,
-    encode_token_ids,
     unpack_outputs,
 )
-from rlserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +110,9 @@ class InprocClient:
         self._outputs: list[EngineCoreOutput] = []
         self._results: dict[int, UtilityResult] = {}
         self._ids = itertools.count(1)
-        self.engine_info = self.call("engine_info")
+
+    def connect(self) -> dict[str, Any]:
+        return self.call("engine_info")
 
     def send_outputs(self, client, outputs: list[EngineCoreOutput]) -> None:
         self._outputs += outputs
@@ -119,8 +120,8 @@ class InprocClient:
     def send_result(self, client, result: UtilityResult) -> None:
         self._results[result.call_id] = result
 
-    def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
-        self.service.handle(IN_PROCESS, AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+    def add(self, requests: list[AddRequest]) -> None:
+        self.service.handle(IN_PROCESS, AddRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         self.service.handle(IN_PROCESS, AbortRequests(list(request_ids)))
@@ -164,7 +165,11 @@ class MPClient:
         self._results: dict[int, UtilityResult] = {}
         self._ids = itertools.count(1)
         self.dead: str | None = None
-        self.engine_info = self.call("engine_info")
+
+    def connect(self) -> dict[str, Any]:
+        """Wait for the core to start (the process was started by the constructor) and ask what it is."""
+        self.process.wait_ready()
+        return self.call("engine_info")
 
     def _send(self, message) -> None:
         if self.dead is not None:
@@ -183,8 +188,8 @@ class MPClient:
         else:
             self._results[message.call_id] = message
 
-    def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
-        self._send(AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+    def add(self, requests: list[AddRequest]) -> None:
+        self._send(AddRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(AbortRequests(list(request_ids)))
@@ -234,7 +239,6 @@ class AsyncClientBase:
         self.on_outputs: Callable[[list[EngineCoreOutput]], None] = lambda outputs: None
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead: str | None = None
-        self.engine_info: dict[str, Any] = {}
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering on `loop` (the first event loop that uses the engine)."""
@@ -271,9 +275,9 @@ class AsyncClientBase:
         self._send(UtilityCall(call_id, method, list(args)))
         return await future
 
-    def add(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> None:
+    def add(self, requests: list[AddRequest]) -> None:
         self._check_alive()
-        self._send(AddRequest(request_ids, encode_token_ids(prompt_token_ids), params))
+        self._send(AddRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         if self.dead is None:
@@ -294,9 +298,11 @@ class AsyncInprocClient(AsyncClientBase):
         self.service = EngineCoreService(EngineCore(config), self)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
-        self.engine_info = self.service.engine_info(None, None)
         self._thread = threading.Thread(target=self._serve, name="rlserve-engine-core", daemon=True)
         self._thread.start()
+
+    def connect(self) -> dict[str, Any]:
+        return self.service.engine_info(IN_PROCESS, None)
 
     def _serve(self) -> None:
         service = self.service
@@ -352,7 +358,15 @@ class AsyncMPClient(AsyncClientBase):
         self.address = self.process.address if self.process is not None else address
         self.pid = self.process.pid if self.process is not None else pid
         self.codec = Codec()
-        # The handshake runs on a plain socket before any event loop exists (the constructor is synchronous).
+        self.context: zmq.asyncio.Context | None = None
+        self.socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def connect(self) -> dict[str, Any]:
+        """Wait for the core to serve and ask what it is, on a plain socket: no event loop exists yet (the
+        constructors of the front ends are synchronous)."""
+        if self.process is not None:
+            self.process.wait_ready()
         with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(self.address)
@@ -360,10 +374,7 @@ class AsyncMPClient(AsyncClientBase):
             while not socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
                 if not self._core_alive():
                     raise EngineDeadError("the engine-core process died before answering")
-            self.engine_info = raise_for(self.codec.output_decoder.decode(socket.recv()))
-        self.context: zmq.asyncio.Context | None = None
-        self.socket: zmq.asyncio.Socket | None = None
-        self._tasks: list[asyncio.Task] = []
+            return raise_for(self.codec.output_decoder.decode(socket.recv()))
 
     def _core_alive(self) -> bool:
         return self.process.is_alive() if self.process is not None else pid_alive(self.pid)

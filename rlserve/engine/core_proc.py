@@ -88,6 +88,7 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
         shutdown_requested = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    started = time.monotonic()
     try:
         for name, path in startup.extra_backends.items():
             if name not in WeightTransferEngineFactory.available_engines():
@@ -103,7 +104,7 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
     socket.bind(startup.address)
     codec = Codec()
     service = EngineCoreService(core, _SocketTransport(socket, codec))
-    ready.send(("ready", None))
+    ready.send(("ready", time.monotonic() - started))
     ready.close()
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
@@ -134,7 +135,8 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
 
 
 class CoreProcess:
-    """The front end's handle on an engine-core process: start it, check it lives, stop it."""
+    """The front end's handle on an engine-core process: start it (returning at once: `wait_ready`), check it
+    lives, stop it."""
 
     def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
         self.address = f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
@@ -145,9 +147,18 @@ class CoreProcess:
         self.process = context.Process(
             target=run_engine_core, args=(startup, writer), name="rlserve-engine-core", daemon=True
         )
+        self._started = time.monotonic()
         with _main_module_hidden():
             self.process.start()
         writer.close()
+        self._ready_pipe = reader
+
+    def wait_ready(self) -> None:
+        """Block until the core serves (the caller does its own start-up meanwhile), or raise what stopped it."""
+        reader, self._ready_pipe = self._ready_pipe, None
+        if reader is None:
+            return
+        waited_from = time.monotonic()
         try:
             if not reader.poll(STARTUP_TIMEOUT_S):
                 raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -167,6 +178,14 @@ class CoreProcess:
             # The core's own message ("ValueError: model: ..."), re-raised as what it was where it is recognisable.
             kind, _, message = detail.partition(": ")
             raise (ValueError if kind == "ValueError" else RuntimeError)(message if kind == "ValueError" else detail)
+        logger.info(
+            "engine core (pid %d) serving %.1f s after it was started (%.1f s of it building the engine; waited "
+            "%.1f s for it)",
+            self.process.pid,
+            time.monotonic() - self._started,
+            detail,
+            time.monotonic() - waited_from,
+        )
 
     @property
     def pid(self) -> int:
@@ -218,4 +237,3 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-

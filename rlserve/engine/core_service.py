@@ -21,6 +21,7 @@ from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CoreInput,
     EngineCoreOutput,
     UtilityCall,
@@ -89,8 +90,9 @@ class EngineCoreService:
         return self.core.has_work() or bool(self.wait_pauses) or self.num_background > 0
 
     def handle(self, client: ClientId, message: CoreInput) -> None:
-        if isinstance(message, AddRequest):
-            self._add(client, message)
+        if isinstance(message, AddRequests):
+            for request in message.requests:
+                self._add(client, request)
         elif isinstance(message, AbortRequests):
             self._route(self.core.abort_requests(message.request_ids))
         elif isinstance(message, UtilityCall):

@@ -15,12 +15,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import EngineDeadError, make_client
 from rlserve.engine.limits import EngineLimits
+from rlserve.engine.messages import AddRequest
 from rlserve.engine.output_processor import OutputProcessor
-from rlserve.model.loader import load_hf_config
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from rlserve.config import EngineConfig
     from rlserve.engine.core import EngineCore
 
 PromptType = str | dict[str, Any]
@@ -59,17 +60,22 @@ class EngineFrontEnd:
     their callers (the server, the CLI) read through them. The engine core itself runs behind a client (in its own
     process by default); these read only what is fixed at start-up, so any thread may call them."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, make_client: Callable[[EngineConfig], Any], **kwargs: Any) -> None:
         self.config = make_engine_config(model, **kwargs)
-        # The core checks the directory too, but it starts after the tokenizer is loaded: check it here first, so a
-        # missing directory or config.json, or an unsupported architecture, is a ValueError naming the model rather
-        # than whatever the tokenizer loader makes of it.
-        load_hf_config(model)
-        self.tokenizer = load_tokenizer(model)
-        self.output_processor = OutputProcessor(self.tokenizer)
-
-    def _connected(self, engine_info: dict[str, Any]) -> None:
-        """Take in what the core reported when this front end connected."""
+        self.client = make_client(self.config)  # a core process starts in the background
+        try:
+            try:
+                self.tokenizer = load_tokenizer(model)  # meanwhile
+            except Exception:
+                self.client.connect()  # the core's error says what is wrong with the model directory, if anything
+                raise
+            self.output_processor = OutputProcessor(self.tokenizer)
+            engine_info = self.client.connect()
+        except BaseException:
+            self.client.shutdown()
+            raise
+        # Garbage collection or interpreter exit stops the core too: no process outlives its front end.
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.limits = EngineLimits(engine_info["max_model_len"], engine_info["vocab_size"], engine_info["max_logprobs"])
         self._extension_methods = set(engine_info["worker_extension_methods"])
 
@@ -104,11 +110,7 @@ class EngineFrontEnd:
 
 class LLM(EngineFrontEnd):
     def __init__(self, model: str, **kwargs: Any) -> None:
-        super().__init__(model, **kwargs)
-        self.client = make_client(self.config)
-        # Garbage collection or interpreter exit stops the core process too: no orphan outlives its LLM.
-        self._finalizer = weakref.finalize(self, self.client.shutdown)
-        self._connected(self.client.engine_info)
+        super().__init__(model, make_client, **kwargs)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -135,12 +137,14 @@ class LLM(EngineFrontEnd):
             raise RuntimeError("generate: the engine is asleep; call wake_up() first")
         order: dict[str, int] = {}
         try:
+            requests = []
             for prompt in validated:
                 request_id = str(next(self._ids))
                 order[request_id] = len(order)
                 params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
                 children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
-                self.client.add([c for c, _ in children], prompt.token_ids, [p for _, p in children])
+                requests.append(AddRequest.of([c for c, _ in children], prompt.token_ids, [p for _, p in children]))
+            self.client.add(requests)
             return self._run_to_completion(order, use_tqdm)
         except BaseException:
             # Whatever failed (or Ctrl-C), leave no request of this call behind in the engine.

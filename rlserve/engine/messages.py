@@ -47,12 +47,23 @@ def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None
 # ---- front end -> core ----
 
 
-class AddRequest(msgspec.Struct, tag=True, array_like=True):
-    """Queue samples of one prompt: `request_ids[i]` runs with `params[i]` (the n samples of a request)."""
+class AddRequest(msgspec.Struct, array_like=True):
+    """Samples of one prompt: `request_ids[i]` runs with `params[i]` (the n samples of a request)."""
 
     request_ids: list[str]
     prompt_token_ids: bytes  # int32
     params: list[SamplingParams]
+
+    @classmethod
+    def of(cls, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> AddRequest:
+        return cls(request_ids, encode_token_ids(prompt_token_ids), params)
+
+
+class AddRequests(msgspec.Struct, tag=True, array_like=True):
+    """Queue prompts together: the core takes them all in before its next step, so the prompts of one
+    `LLM.generate` call start in one batch, as they would in process."""
+
+    requests: list[AddRequest]
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -103,7 +114,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     num_cached_tokens: bytes  # int32
 
 
-CoreInput = AddRequest | AbortRequests | UtilityCall
+CoreInput = AddRequests | AbortRequests | UtilityCall
 CoreOutput = StepOutputs | UtilityResult
 
 

@@ -21,8 +21,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.core_client import EngineDeadError
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
 from rlserve.engine.llm import PromptType, ValidatedPrompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams

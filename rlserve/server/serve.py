@@ -20,10 +20,8 @@ import signal
 import socket
 import sys
 
-from rlserve.engine.args import add_engine_arguments, engine_kwargs, make_engine_config
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.core_client import EngineDeadError, registered_backends
-from rlserve.engine.core_proc import CoreProcess
+from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_core
 from rlserve.server.app import API_KEY_ENV, build_app
 
 logger = logging.getLogger(__name__)
@@ -91,8 +89,7 @@ def _api_server_process(args: argparse.Namespace, sock: socket.socket, core_addr
 
 def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
     """Start the core and args.api_server_count API servers; return when one of them ends (or on SIGTERM)."""
-    config = make_engine_config(args.model, **engine_kwargs(args))
-    core = CoreProcess(config, registered_backends(config))
+    core = start_shared_core(args.model, **engine_kwargs(args))
     context = multiprocessing.get_context("spawn")
     servers = [
         context.Process(

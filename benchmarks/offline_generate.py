@@ -1,0 +1,60 @@
+"""W1 through the public `LLM.generate`, timed from the caller: with the engine core in its own process (the default)
+or in this one (`RLSERVE_ENABLE_MULTIPROCESSING=0`), so the two can be compared in one run. throughput.py, which
+instruments the runner for its roofline, runs the core in process; this measures what a user of `LLM` gets.
+
+    python benchmarks/offline_generate.py --device cuda --preset qwen3-0.6b-shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import tempfile
+import time
+
+import torch
+from throughput import workloads
+
+from rlserve import LLM
+from rlserve.engine.core_proc import multiprocessing_enabled
+from rlserve.toy import make_model_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=None, help="a model directory (default: build --preset)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of W1's 1,024 prompts")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs after one untimed warm-up")
+    args = ap.parse_args()
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("rlserve.engine.core_proc").setLevel(logging.INFO)  # the core's start-up time, by phase
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    model = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model, device=args.device, dtype=dtype, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=2048
+    )
+    mode = "own process" if multiprocessing_enabled() else "in process"
+    print(f"engine start {time.perf_counter() - t0:.1f} s (core {mode})", flush=True)
+    prompts, params = workloads("W1", vocab, args.scale, seed=0)
+    rates = []
+    for i in range(args.repeats + 1):
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        print(f"run {i} ({'untimed warm-up' if i == 0 else 'timed'}): {tokens / dt:,.0f} tok/s", flush=True)
+        rates.append(tokens / dt)
+    llm.shutdown()
+    print(f"W1 LLM.generate, core {mode}: {statistics.median(rates[1:]):,.0f} output tok/s (median of {args.repeats})")
+
+
+if __name__ == "__main__":
+    main()
