@@ -6,8 +6,8 @@ GPU:             python benchmarks/server_throughput.py --device cuda --preset q
 
 Both sides get the same engine arguments and, per repetition, the same fresh random prompts (fresh so the prefix
 cache of an earlier repetition cannot help). The server runs in its own process (`rlserve serve`); the clients are
-`--concurrency` httpx tasks in this process, each sending one non-streaming (or `--stream`) /v1/completions at a
-time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported: output tokens/s per repetition, their
+`--concurrency` httpx tasks spread over `--client-processes` processes, each sending one non-streaming (or
+`--stream`) /v1/completions at a time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported: output tokens/s per repetition, their
 median, and the server/offline ratio of medians. Flags of `rlserve serve` that are not engine flags reach the server
 alone through `--server-arg=--flag=value` (repeatable), e.g. `--server-arg=--api-server-count=2`.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -37,6 +38,7 @@ from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwarg
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0
+CLIENT_IMPORT_S = 8.0  # client processes import this module (torch, httpx) before they are released
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -109,11 +111,12 @@ async def _one(http: httpx.AsyncClient, body: dict, stream: bool) -> int:
     return tokens
 
 
-async def _send_all(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str) -> float:
+async def _send_all(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str, concurrency: int):
+    """Send `prompts` over `concurrency` connections; (output tokens, first send, last answer) in wall-clock time."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     common = dict(model=model, max_tokens=args.output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
     total = 0
 
@@ -125,13 +128,44 @@ async def _send_all(url: str, prompts: list[list[int]], args: argparse.Namespace
             total += tokens  # not `total += await ...`: that reads total before the await and loses updates
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(http) for _ in range(args.concurrency)))
-        dt = time.perf_counter() - t0
+        t0 = time.time()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        t1 = time.time()
+    return total, t0, t1
+
+
+def _client_process(url, prompts, args, model, concurrency, start, results) -> None:
+    start.wait()
+    results.put(asyncio.run(_send_all(url, prompts, args, model, concurrency)))
+
+
+def _send_from_processes(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str) -> float:
+    """The prompts split over `--client-processes` processes, released together: one Python process cannot drive
+    a thousand connections (httpx's pool scans every connection per request) as fast as the server answers them."""
+    n = min(args.client_processes, len(prompts))
+    concurrency = -(-args.concurrency // n)
+    if n == 1:
+        total, t0, t1 = asyncio.run(_send_all(url, prompts, args, model, concurrency))
+    else:
+        context = multiprocessing.get_context("spawn")
+        start, results = context.Event(), context.Queue()
+        shares = [prompts[i::n] for i in range(n)]
+        procs = [
+            context.Process(target=_client_process, args=(url, share, args, model, concurrency, start, results))
+            for share in shares
+        ]
+        for proc in procs:
+            proc.start()
+        time.sleep(CLIENT_IMPORT_S)  # let them import before the clock starts
+        start.set()
+        parts = [results.get(timeout=600) for _ in procs]
+        for proc in procs:
+            proc.join(30)
+        total, t0, t1 = sum(p[0] for p in parts), min(p[1] for p in parts), max(p[2] for p in parts)
     expected = len(prompts) * args.output_len
     if total != expected:
         raise RuntimeError(f"the server returned {total} tokens, expected {expected}")
-    return total / dt
+    return total / (t1 - t0)
 
 
 def run_server(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
@@ -140,8 +174,8 @@ def run_server(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[
     proc = start_server(model_dir, args, port, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(_send_all(url, prompt_sets[0][:4], args, model_dir))  # warm-up
-        return [asyncio.run(_send_all(url, prompts, args, model_dir)) for prompts in prompt_sets[1:]]
+        asyncio.run(_send_all(url, prompt_sets[0][:4], args, model_dir, 4))  # warm-up
+        return [_send_from_processes(url, prompts, args, model_dir) for prompts in prompt_sets[1:]]
     finally:
         proc.terminate()
         try:
@@ -158,6 +192,12 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=None, help="concurrent HTTP clients (default: all prompts)")
+    ap.add_argument(
+        "--client-processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+        help="processes the clients are spread over (default: half the cores, at most 8)",
+    )
     ap.add_argument("--stream", action="store_true", help="clients stream (SSE) instead of waiting for the whole")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-dir", default=None)
@@ -193,7 +233,8 @@ def main() -> int:
     print(
         f"\nW7 server throughput: preset={args.preset} device={args.device} dtype={args.dtype} "
         f"prompts={args.num_prompts} in={args.input_len} out={args.output_len} concurrency={args.concurrency} "
-        f"stream={args.stream} repeats={args.repeats} cpu_threads={args.cpu_threads or torch.get_num_threads()}"
+        f"stream={args.stream} client_processes={args.client_processes} repeats={args.repeats} "
+        f"cpu_threads={args.cpu_threads or torch.get_num_threads()}"
         + (f" server_args={' '.join(args.server_arg)}" if args.server_arg else "")
     )
     print(f"| {'mode':<8} | {'output tok/s per repetition':<40} | {'median tok/s':>12} | {'vs offline':>10} |")
