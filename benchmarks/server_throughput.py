@@ -7,9 +7,10 @@ GPU:             python benchmarks/server_throughput.py --device cuda --preset q
 Both sides get the same engine arguments and, per repetition, the same fresh random prompts (fresh so the prefix
 cache of an earlier repetition cannot help). The server runs in its own process (`rlserve serve`); the clients are
 `--concurrency` httpx tasks spread over `--client-processes` processes, each sending one non-streaming (or
-`--stream`) /v1/completions at a time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported: output tokens/s per repetition, their
-median, and the server/offline ratio of medians. Flags of `rlserve serve` that are not engine flags reach the server
-alone through `--server-arg=--flag=value` (repeatable), e.g. `--server-arg=--api-server-count=2`.
+`--stream`) /v1/completions at a time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported:
+output tokens/s per repetition, their median, and the server/offline ratio of medians. Flags of `rlserve serve` that
+are not engine flags reach the server alone through `--server-arg=--flag=value` (repeatable), e.g.
+`--server-arg=--api-server-count=2`.
 
 On a CPU shared with other work, torch's intra-op threads can stall each other and cut throughput tenfold at random;
 `--cpu-threads 1` (both sides) gives figures that mean something there.
