@@ -137,9 +137,9 @@ echo "W7 flags: ${W7_ARGS[*]:-none}; start-up flags: ${STARTUP_ARGS[*]:-none}" |
 # The model, once (bf16, as every part below runs it); a part builds its own if this fails.
 MODEL=/tmp/rlserve-$PRESET-$DTYPE
 MODEL_ARGS=()
-if part model 150 python3 -c "import torch; from rlserve.toy import make_model_dir
+if [ -f "$MODEL/config.json" ] || part model 150 python3 -c "import torch; from rlserve.toy import make_model_dir
 print(make_model_dir('$MODEL', preset='$PRESET', dtype=torch.$DTYPE))"; then
-  MODEL_ARGS=(--model-dir "$MODEL")
+  MODEL_ARGS=(--model-dir "$MODEL")  # a second run in the same call reuses it
 fi
 
 STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" "${MODEL_ARGS[@]}"
