@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.core_proc import multiprocessing_enabled, start_fork_server
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENGINE_COMMANDS = ("generate", "serve", "parity")
+
+
 def main(argv: list[str] | None = None) -> int:
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command and command[0] in ENGINE_COMMANDS and multiprocessing_enabled():
+        start_fork_server()  # its imports overlap this process's (the server's, the tokenizer's)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -82,3 +82,15 @@ def test_no_import_cycles_between_packages():
 
     cycles = sorted(p for p in graph if on_a_cycle(p))
     assert not cycles, f"packages in an import cycle: {cycles}"
+
+
+def test_front_ends_use_the_engines_public_surface():
+    """server/ and rl/ drive LLM/AsyncLLM, never the core object behind them (which lives in another process)."""
+    reaching = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for package in ("server", "rl")
+        for path in (ROOT / package).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("engine_core", "runner", "scheduler", "kv_cache")
+    ]
+    assert not reaching, f"front ends reaching into the engine core: {reaching}"

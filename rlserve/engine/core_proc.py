@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -47,6 +48,20 @@ def multiprocessing_enabled() -> bool:
         if value is not None:
             return value.strip().lower() not in ("0", "false", "no", "off")
     return True
+
+
+def _fork_server_context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, so that its imports (torch, the model code) run while the caller does its own
+    start-up; the first engine core then forks from it without waiting for them."""
+    _fork_server_context()
+    with _main_module_hidden():
+        multiprocessing.forkserver.ensure_running()
 
 
 @dataclass(frozen=True)
@@ -140,8 +155,7 @@ class CoreProcess:
 
     def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
         self.address = f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
+        context = _fork_server_context()
         reader, writer = context.Pipe(duplex=False)
         startup = CoreStartup(config, self.address, os.getpid(), extra_backends)
         self.process = context.Process(
