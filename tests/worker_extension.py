@@ -19,6 +19,14 @@ class CheckpointLoader:
     def fail(self) -> None:
         raise ValueError("value: the extension refused")
 
+    def break_forward(self) -> None:
+        """Make every later forward pass raise, as a device fault would."""
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault")
+
+        self.model_runner.model.forward = broken
+
 
 class ClashingExtension:
     def device(self) -> None:  # the worker's own attribute

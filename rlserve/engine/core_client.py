@@ -16,6 +16,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -131,6 +132,8 @@ class InprocClient:
         self.service.handle(IN_PROCESS, UtilityCall(call_id, method, list(args)))
         while call_id not in self._results:
             self.service.run_once()
+            if not self.service.core.has_work():  # waiting on a thread (a rendezvous): do not spin
+                time.sleep(0.001)
         return raise_for(self._results.pop(call_id))
 
     def get_outputs(self) -> list[EngineCoreOutput]:

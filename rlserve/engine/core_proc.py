@@ -37,6 +37,7 @@ STARTUP_TIMEOUT_S = 600.0  # loading a large model and sizing its KV cache on a 
 IDLE_POLL_MS = 100  # how often an idle core looks at its parent (it exits when the parent is gone)
 BACKGROUND_POLL_MS = 5
 PARENT_CHECK_INTERVAL_S = 0.5
+EXIT_STEP_FAILED = 3  # an engine step raised: its requests were ended, the traceback is in the core's log
 # Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
 # time a fresh interpreter takes, and none inherits the threads of the front end (which fork would copy badly).
 _PRELOAD = ["rlserve.engine.core_service"]
@@ -136,7 +137,7 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
                 timeout = 0
             service.run_once()
             if service.failure is not None:
-                raise SystemExit(3)
+                raise SystemExit(EXIT_STEP_FAILED)
             now = time.monotonic()
             if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
                 last_parent_check = now
@@ -215,6 +216,8 @@ class CoreProcess:
                 how = f"killed by {signal.Signals(-code).name}"
             except ValueError:
                 how = f"killed by signal {-code}"
+        elif code == EXIT_STEP_FAILED:
+            how = "an engine step failed; the traceback is in its log"
         else:
             how = f"exit code {code}"
         return f"the engine-core process (pid {self.process.pid}) died ({how})"

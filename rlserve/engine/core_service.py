@@ -106,10 +106,12 @@ class EngineCoreService:
         if self.core.has_work() and self.failure is None:
             try:
                 outputs = self.core.step()
-            except BaseException as e:  # a failing forward must reach the callers, not kill the loop silently
+            except BaseException as e:
+                # The callers get the failure (EngineDeadError from their client), not an ordinary-looking abort.
                 logger.exception("engine step failed")
                 self.failure = e
-                outputs = self.core.abort_requests(list(self.core.requests))
+                self.core.abort_requests(list(self.core.requests))
+                return
             self._route(outputs)
         if self.wait_pauses and self.core.num_in_flight == 0:
             self._end_wait_pauses(clear_cache=True)

@@ -7,8 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from process_tree import engine_core_pids, survivors
+
+from rlserve import SamplingParams
+from rlserve.engine.core_client import EngineDeadError
 
 SCRIPT = """
 import gc, os, sys, time
@@ -51,3 +56,19 @@ def test_a_killed_front_end_leaves_no_core_behind(qwen3_dir):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not survivors([core])
+
+
+def test_a_failing_step_ends_every_request_with_the_reason(qwen3_dir, make_llm, monkeypatch):
+    """A step that raises in the core process: the request in flight ends with EngineDeadError naming the failure,
+    later calls too, and the core process is gone."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # the core imports tests/worker_extension
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    llm = make_llm(qwen3_dir, worker_extension_cls="worker_extension:CheckpointLoader")
+    core = llm.client.process.pid
+    llm.collective_rpc("break_forward")
+    with pytest.raises(EngineDeadError, match="an engine step failed"):
+        llm.generate("hello", SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(EngineDeadError):
+        llm.is_sleeping()
+    assert not survivors([core])
+    llm.shutdown()
