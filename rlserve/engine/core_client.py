@@ -41,9 +41,6 @@ logger = logging.getLogger(__name__)
 
 LIVENESS_INTERVAL_S = 0.2
 IN_PROCESS = b"in-process"  # the one front end of a core in this process
-_ERRORS: dict[str, type[BaseException]] = {
-    e.__name__: e for e in (ValueError, RuntimeError, TimeoutError, TypeError, KeyError, NotImplementedError)
-}
 
 
 class EngineDeadError(Exception):
@@ -51,22 +48,19 @@ class EngineDeadError(Exception):
 
 
 def raise_for(result: UtilityResult) -> Any:
+    """The call's value, or its error raised again as the same built-in exception (a weight transfer's
+    ConnectionError stays one); only names of builtins are looked up, never a class the message could pick."""
     if result.error_type is None:
         return result.value
-    cls = _ERRORS.get(result.error_type)
-    if cls is None:
-        # Any other built-in exception comes back as itself too (a weight transfer's ConnectionError, an OSError);
-        # only the names of builtins are looked up, never a class the message could pick.
-        builtin = getattr(builtins, result.error_type, None)
-        if isinstance(builtin, type) and issubclass(builtin, Exception):
-            try:
-                error = builtin(result.error)
-            except TypeError:  # one whose constructor takes more than a message (UnicodeDecodeError)
-                error = None
-            if error is not None:
-                raise error
-        raise RuntimeError(f"{result.error_type}: {result.error}")
-    raise cls(result.error)
+    builtin = getattr(builtins, result.error_type, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        try:
+            error = builtin(result.error)
+        except TypeError:  # one whose constructor takes more than a message (UnicodeDecodeError)
+            error = None
+        if error is not None:
+            raise error
+    raise RuntimeError(f"{result.error_type}: {result.error}")
 
 
 def registered_backends(config: EngineConfig) -> dict[str, str]:
