@@ -7,9 +7,9 @@
 #                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run.
 #   w7, w7_stream      W7 server vs offline (benchmarks/server_throughput.py, 1024 x 256 in / 256 out), without and
 #                      with streaming; API_SERVERS (1) and STREAM_INTERVAL (1) become --api-server-count and
-#                      --stream-interval. w7_profile: the same under py-spy (every process sampled; PROFILE_ARGS=--stream
-#                      profiles the streaming case).
-#   demo_ipc           the ipc demo (40 steps): sync and pause per step.
+#                      --stream-interval; w7_stream_tuned streams with two API servers and 4 tokens per chunk.
+#                      PROFILE=1 adds w7_profile: W7 under py-spy (every process sampled; PROFILE_ARGS=--stream).
+#   demo_ipc, w4_ipc   the ipc demo (40 steps): sync and pause per step; weight_sync.py over ipc (100 updates).
 # Each part has its own time limit, and none runs past BUDGET_S (default 540) from the script's start: a part that would
 # is cut to what is left, and one with less than 30 s left is skipped. SKIP="w4_ipc demo_ipc ..." skips parts by name.
 # Logs go to /tmp/gpu_server (LOGS) and travel back as $OUT/gpu_server_logs.tgz, re-packed after every part so a cut-off
@@ -147,23 +147,26 @@ STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET
 # First, on a cold Triton cache, as a fresh machine starts; again at the end, warm, beside the core in process.
 part startup_cold 100 "${STARTUP[@]}" --timeout 90 --log "$LOGS/startup_cold_server.log" --out "$LOGS/startup_cold.json"
 
-W1=(python3 benchmarks/offline_generate.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --scale "$W1_SCALE"
-  ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})
-part w1_mp 100 "${W1[@]}"
-part w1_inproc 100 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${W1[@]}"
-
 W7=(python3 benchmarks/server_throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
   --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" --output-len "$SEQ_LEN" --repeats "$W7_REPEATS"
   "${MODEL_ARGS[@]}" "${W7_ARGS[@]}")
 part w7 150 "${W7[@]}"
 part w7_stream 150 "${W7[@]}" --stream
-# Where the time goes with the server: py-spy samples every process of the benchmark (client, API server, core).
-if command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; then
+# Streaming as a high-concurrency RL client would run it: two API servers, four tokens per chunk.
+part w7_stream_tuned 150 "${W7[@]}" --stream --stream-interval=4 --server-arg=--api-server-count=2
+# Where the time goes with the server (PROFILE=1): py-spy samples every process of the benchmark.
+if [ -n "${PROFILE:-}" ] && { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }; then
   SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
   part w7_profile 120 "$SPY" record --subprocesses --nonblocking --rate 50 --format raw -o "$LOGS/w7_profile.txt" -- \
     "${W7[@]}" ${PROFILE_ARGS:-}
 fi
+W1=(python3 benchmarks/offline_generate.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --scale "$W1_SCALE"
+  ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})
+part w1_mp 100 "${W1[@]}"
+part w1_inproc 100 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${W1[@]}"
+
 part demo_ipc 110 python3 -m rlserve.cli demo --device "$DEVICE" --backend ipc --steps 40 --out "$LOGS/demo_ipc"
+part w4_ipc 60 python3 benchmarks/weight_sync.py --backend ipc --updates 100 --out "$LOGS/w4_ipc.json"
 part startup_inproc 60 env RLSERVE_ENABLE_MULTIPROCESSING=0 "${STARTUP[@]}" --timeout 55 \
   --log "$LOGS/startup_inproc_server.log" --out "$LOGS/startup_inproc.json"
 part startup_warm 60 "${STARTUP[@]}" --timeout 55 --log "$LOGS/startup_warm_server.log" --out "$LOGS/startup_warm.json"
@@ -176,12 +179,13 @@ part startup_warm 60 "${STARTUP[@]}" --timeout 55 --log "$LOGS/startup_warm_serv
   for name in w1_mp w1_inproc; do
     [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 " "$LOGS/$name.log" | sed "s/^/$name: /"
   done
-  for name in w7 w7_stream w7_profile; do
+  for name in w7 w7_stream w7_stream_tuned w7_profile; do
     [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
   for name in startup_cold startup_inproc startup_warm; do
     [ -f "$LOGS/$name.log" ] && grep -h "^startup" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
+  [ -f "$LOGS/w4_ipc.log" ] && grep -h "^  packed\|^unpacked" "$LOGS/w4_ipc.log" | sed "s/^/w4_ipc: /"
   [ -f "$LOGS/demo_ipc.log" ] && grep -h "^warm-up\|^reward" "$LOGS/demo_ipc.log" | sed "s/^/demo_ipc: /"
   [ -f "$LOGS/demo_ipc/log.json" ] && python3 -c "import json, statistics as st
 s = json.load(open('$LOGS/demo_ipc/log.json'))['steps']
