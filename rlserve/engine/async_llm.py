@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlserve.engine.args import make_engine_config
-from rlserve.engine.core_client import AsyncMPClient, EngineDeadError, make_async_client, registered_backends
+from rlserve.engine.core_client import (
+    AsyncMPClient,
+    EngineDeadError,
+    collective_rpc_args,
+    load_weights_args,
+    make_async_client,
+    registered_backends,
+)
 from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
@@ -199,15 +206,13 @@ class AsyncLLM(EngineFrontEnd):
         return await self._call("checksums")
 
     async def load_weights(self, weights, reset_prefix_cache: bool = True) -> int:
-        self._bind_loop()
-        return await self.client.load_weights(weights, reset_prefix_cache)
+        return await self._call("load_weights", *load_weights_args(self.client, weights, reset_prefix_cache))
 
     async def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
     ) -> list[Any]:
         """vLLM's collective_rpc (see LLM.collective_rpc), run by the core between steps."""
-        self._bind_loop()
-        call = self.client.collective_rpc(method, args, kwargs)
+        call = self._call("collective_rpc", *collective_rpc_args(self.client, method, args, kwargs))
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
     async def reset_prefix_cache(self) -> None:

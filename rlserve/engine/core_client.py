@@ -83,12 +83,24 @@ def registered_backends(config: EngineConfig) -> dict[str, str]:
     return {wt.backend: f"{cls.__module__}:{cls.__qualname__}"}
 
 
-def _refuse_callable(method: Any) -> None:
-    if callable(method):
+def load_weights_args(client: Any, weights, reset_prefix_cache: bool) -> list[Any]:
+    """The arguments of a load_weights call: the tensors themselves for a core in this process, packed as plain
+    data (pack_tensors) for one in another."""
+    if client.in_process:
+        return [list(weights), reset_prefix_cache]
+    from rlserve.engine.core_service import pack_tensors
+
+    return [pack_tensors(weights), reset_prefix_cache]
+
+
+def collective_rpc_args(client: Any, method: Any, args: tuple, kwargs: dict | None) -> list[Any]:
+    """The arguments of a collective_rpc call; a function can only go to a core in this process."""
+    if callable(method) and not client.in_process:
         raise ValueError(
             "method: the engine core runs in its own process and takes no functions (nothing is pickled); name a "
             "method of a worker_extension_cls instead, or run in-process with RLSERVE_ENABLE_MULTIPROCESSING=0"
         )
+    return [method, list(args), dict(kwargs or {})]
 
 
 # ---- synchronous: LLM ----
@@ -96,6 +108,8 @@ def _refuse_callable(method: Any) -> None:
 
 class InprocClient:
     """The core in this process, driven by the caller's thread."""
+
+    in_process = True
 
     def __init__(self, config: EngineConfig) -> None:
         from rlserve.engine.core import EngineCore
@@ -138,18 +152,14 @@ class InprocClient:
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def load_weights(self, weights, reset_prefix_cache: bool) -> int:
-        return self.call("load_weights", list(weights), reset_prefix_cache)
-
-    def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
-        return self.call("collective_rpc", method, list(args), dict(kwargs or {}))
-
     def shutdown(self) -> None:
         self.service.core.shutdown()
 
 
 class MPClient:
     """The core in a process of its own (started here), over a ZMQ DEALER socket."""
+
+    in_process = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.process = CoreProcess(config, registered_backends(config))
@@ -203,15 +213,6 @@ class MPClient:
             self._receive()
         outputs, self._outputs = self._outputs, []
         return outputs
-
-    def load_weights(self, weights, reset_prefix_cache: bool) -> int:
-        from rlserve.engine.core_service import pack_tensors
-
-        return self.call("load_weights", pack_tensors(weights), reset_prefix_cache)
-
-    def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
-        _refuse_callable(method)
-        return self.call("collective_rpc", method, list(args), dict(kwargs or {}))
 
     def shutdown(self) -> None:
         self.socket.close(linger=0)
@@ -287,6 +288,8 @@ class AsyncClientBase:
 class AsyncInprocClient(AsyncClientBase):
     """The core in this process, on a thread of its own: the event loop never waits on a step."""
 
+    in_process = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
         from rlserve.engine.core import EngineCore
@@ -331,12 +334,6 @@ class AsyncInprocClient(AsyncClientBase):
     def _send(self, message) -> None:
         self._inbox.put(message)
 
-    async def load_weights(self, weights, reset_prefix_cache: bool) -> int:
-        return await self.call("load_weights", list(weights), reset_prefix_cache)
-
-    async def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
-        return await self.call("collective_rpc", method, list(args), dict(kwargs or {}))
-
     def shutdown(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=10)
@@ -346,6 +343,8 @@ class AsyncInprocClient(AsyncClientBase):
 class AsyncMPClient(AsyncClientBase):
     """The core in another process: started here (`config`), or already running (`address` and `pid`, as for the
     API server processes of `--api-server-count N`, which share one core)."""
+
+    in_process = False
 
     def __init__(
         self, config: EngineConfig | None = None, *, address: str | None = None, pid: int | None = None
@@ -401,15 +400,6 @@ class AsyncMPClient(AsyncClientBase):
 
     def _send(self, message) -> None:
         self.socket.send(self.codec.encode(message), copy=False)
-
-    async def load_weights(self, weights, reset_prefix_cache: bool) -> int:
-        from rlserve.engine.core_service import pack_tensors
-
-        return await self.call("load_weights", pack_tensors(weights), reset_prefix_cache)
-
-    async def collective_rpc(self, method, args: tuple, kwargs: dict | None) -> list[Any]:
-        _refuse_callable(method)
-        return await self.call("collective_rpc", method, list(args), dict(kwargs or {}))
 
     def shutdown(self) -> None:
         for task in self._tasks:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlserve.engine.args import make_engine_config
-from rlserve.engine.core_client import EngineDeadError, make_client
+from rlserve.engine.core_client import EngineDeadError, collective_rpc_args, load_weights_args, make_client
 from rlserve.engine.limits import EngineLimits
 from rlserve.engine.messages import AddRequest
 from rlserve.engine.output_processor import OutputProcessor
@@ -214,14 +214,14 @@ class LLM(EngineFrontEnd):
     def load_weights(self, weights, reset_prefix_cache: bool = True) -> int:
         """Write (checkpoint name, tensor) pairs into the engine's model; the prefix cache is emptied unless asked
         not to (KV computed under the old weights would otherwise be served)."""
-        return self.client.load_weights(weights, reset_prefix_cache)
+        return self.client.call("load_weights", *load_weights_args(self.client, weights, reset_prefix_cache))
 
     def collective_rpc(
         self, method: str | Callable, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
     ) -> list[Any]:
         """vLLM's: a worker method's name (see `worker_extension_cls`), or, with the core in this process, a
         function called with the worker first; one result per worker. `timeout` is accepted for vLLM's signature."""
-        return self.client.collective_rpc(method, args, kwargs)
+        return self.client.call("collective_rpc", *collective_rpc_args(self.client, method, args, kwargs))
 
     def weight_checksums(self) -> dict[str, str]:
         return self.client.call("checksums")
