@@ -307,13 +307,9 @@ class AsyncInprocClient(AsyncClientBase):
     def _serve(self) -> None:
         service = self.service
         while not self._stopped.is_set():
+            timeout = service.input_timeout_s()
             try:
-                if not service.busy:
-                    message = self._inbox.get(timeout=0.05)
-                elif service.core.has_work():
-                    message = self._inbox.get_nowait()
-                else:
-                    message = self._inbox.get(timeout=0.005)
+                message = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
             except queue.Empty:
                 message = None
             if message is not None:

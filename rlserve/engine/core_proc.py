@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 MULTIPROCESSING_ENVS = ("RLSERVE_ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIPROCESSING")
 STARTUP_TIMEOUT_S = 600.0  # loading a large model and sizing its KV cache on a busy machine
-IDLE_POLL_MS = 100  # how often an idle core looks at its parent (it exits when the parent is gone)
-BACKGROUND_POLL_MS = 5
 PARENT_CHECK_INTERVAL_S = 0.5
 EXIT_STEP_FAILED = 3  # an engine step raised: its requests were ended, the traceback is in the core's log
 # Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
@@ -133,10 +131,7 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
     last_parent_check = time.monotonic()
     try:
         while not shutdown_requested:
-            if service.busy:
-                timeout = 0 if core.has_work() else BACKGROUND_POLL_MS
-            else:
-                timeout = IDLE_POLL_MS
+            timeout = int(service.input_timeout_s() * 1000)
             while poller.poll(timeout):
                 client, payload = socket.recv_multipart(copy=True)
                 try:

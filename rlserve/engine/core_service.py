@@ -27,13 +27,14 @@ from rlserve.engine.messages import (
     UtilityCall,
     UtilityResult,
     decode_token_ids,
-    resolve_pause_mode,
 )
 from rlserve.engine.worker.extension import extension_methods
 
 logger = logging.getLogger(__name__)
 
 ClientId = Hashable
+IDLE_POLL_S = 0.05
+BACKGROUND_POLL_S = 0.005
 
 
 class Transport(Protocol):
@@ -84,10 +85,15 @@ class EngineCoreService:
 
     # ---- the loop ----
 
-    @property
-    def busy(self) -> bool:
-        """Whether the loop should poll its inputs without blocking."""
-        return self.core.has_work() or bool(self.wait_pauses) or self.num_background > 0
+    def input_timeout_s(self) -> float:
+        """How long the loop may wait for a message before its next run_once: not at all while the core has work,
+        briefly while a wait-pause or a call on a thread is pending, else until the idle timeout (the loop also
+        watches for shutdown)."""
+        if self.core.has_work():
+            return 0.0
+        if self.wait_pauses or self.num_background:
+            return BACKGROUND_POLL_S
+        return IDLE_POLL_S
 
     def handle(self, client: ClientId, message: CoreInput) -> None:
         if isinstance(message, AddRequests):
@@ -192,7 +198,7 @@ class EngineCoreService:
             self.transport.send_result(p.client, UtilityResult(p.call_id, None))
 
     def pause(self, client: ClientId, call: UtilityCall, mode: str, clear_cache: bool) -> Any:
-        if resolve_pause_mode(mode) == "wait":
+        if mode == "wait":  # any other mode, a bad one included, is the core's to apply or refuse
             self.core.pause("wait", clear_cache=False)
             self.wait_pauses.append(_WaitPause(client, call.call_id, clear_cache))
             return _DEFERRED
