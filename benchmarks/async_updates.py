@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import workloads  # noqa: E402  (the benchmarks share W1's definition)
+from throughput import W1_ENGINE, workloads  # noqa: E402  (the benchmarks share W1's definition)
 
 from rlserve import RequestOutputKind, WeightTransferConfig  # noqa: E402
 from rlserve.engine.args import add_engine_arguments, engine_kwargs  # noqa: E402
@@ -152,12 +152,7 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true", help="consume cumulative outputs every step")
     add_engine_arguments(
         ap,
-        defaults={
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "max_num_seqs": 1024,
-            "max_num_batched_tokens": 16384,
-            "max_model_len": 2048,
-        },
+        defaults={"device": "cuda" if torch.cuda.is_available() else "cpu", **W1_ENGINE},
     )
     args = ap.parse_args()
     device = torch.device(args.device)

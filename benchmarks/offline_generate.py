@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import torch
-from throughput import workloads
+from throughput import W1_ENGINE, workloads
 
 from rlserve import LLM
 from rlserve.engine.core_proc import multiprocessing_enabled
@@ -37,9 +37,7 @@ def main() -> None:
     model = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
     t0 = time.perf_counter()
-    llm = LLM(
-        model, device=args.device, dtype=dtype, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=2048
-    )
+    llm = LLM(model, device=args.device, dtype=dtype, **W1_ENGINE)
     mode = "own process" if multiprocessing_enabled() else "in process"
     print(f"engine start {time.perf_counter() - t0:.1f} s (core {mode})", flush=True)
     prompts, params = workloads("W1", vocab, args.scale, seed=0)

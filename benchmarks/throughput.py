@@ -81,6 +81,10 @@ def instrument(llm: LLM) -> StepLog:
     return log
 
 
+# Engine settings that hold all of W1's 1,024 sequences in one batch; the benchmarks that run W1 share them.
+W1_ENGINE = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384, "max_model_len": 2048}
+
+
 def workloads(name: str, vocab: int, scale: float, seed: int):
     g = torch.Generator().manual_seed(seed)
 
@@ -169,12 +173,7 @@ def main() -> int:
     # --dtype not given: bfloat16 on cuda, float32 on cpu (the toy model is made in it too).
     add_engine_arguments(
         ap,
-        defaults={
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "max_num_seqs": 1024,
-            "max_num_batched_tokens": 16384,
-            "max_model_len": 2048,
-        },
+        defaults={"device": "cuda" if torch.cuda.is_available() else "cpu", **W1_ENGINE},
     )
     args = ap.parse_args()
     device = torch.device(args.device)

@@ -32,6 +32,10 @@ DEAD_ENGINE_GRACE_S = 1.0
 EXIT_ENGINE_DEAD = 1
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def _listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound once (and shared by the API server processes). Made with the protocol number
     that getaddrinfo gives: asyncio sets TCP_NODELAY only on connections of a socket whose proto is IPPROTO_TCP,
@@ -49,8 +53,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = build_app(engine, api_key, args.enable_rl_api, args.served_model_name or args.model)
+    app = build_app(engine, _api_key(args), args.enable_rl_api, args.served_model_name or args.model)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full
@@ -133,8 +136,7 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.enable_rl_api and not api_key:
+    if args.enable_rl_api and not _api_key(args):
         print(
             "rlserve serve: --enable-rl-api needs an API key (--api-key KEY or $RLSERVE_API_KEY): the RL routes pause "
             "generation and overwrite weights, so they are never served unauthenticated",
