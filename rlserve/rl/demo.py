@@ -305,6 +305,10 @@ def _record(
 # ---- CLI ----
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -318,8 +322,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rlserve demo: {e}", file=sys.stderr)
         return 2
-    # A `kill` must clean up like Ctrl-C does: stop the engine process on the way out.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Ctrl-C and `kill` raise KeyboardInterrupt where the main thread is, and the engine process is stopped on the
+    # way out. Not asyncio.run's own SIGINT handling: it only cancels the main task, and a cancellation that a library
+    # below absorbs (seen under load) leaves the demo running.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = asyncio.run(run_demo(config))
     except KeyboardInterrupt:
