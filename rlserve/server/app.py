@@ -66,8 +66,18 @@ def _error_json(error: APIError) -> JSONResponse:
     return JSONResponse(error.response().model_dump(), status_code=error.code)
 
 
+# JSON may hold U+0085, U+2028 and U+2029 raw, and clients that split lines as str.splitlines does (httpx's
+# aiter_lines) would cut an event there: escaped, every event is one line.
+_LINE_BREAKS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
 def _sse(payload: BaseModel | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    if not data.isascii():  # rare characters, sought with `in` (a C scan) rather than a per-character translate
+        for raw, escaped in _LINE_BREAKS:
+            if raw in data:
+                data = data.replace(raw, escaped)
+    return f"data: {data}\n\n"
 
 
 def make_auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:

@@ -6,7 +6,15 @@ import json
 import math
 
 from rlserve.outputs import CompletionOutput, Logprob
-from rlserve.server.protocol import NEG_INF_LOGPROB, TokenFormatter, chat_logprobs, completion_logprobs
+from rlserve.server.app import _sse
+from rlserve.server.protocol import (
+    NEG_INF_LOGPROB,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    TokenFormatter,
+    chat_logprobs,
+    completion_logprobs,
+)
 
 
 def sample_with_masked_tokens() -> CompletionOutput:
@@ -30,3 +38,14 @@ def test_neg_inf_becomes_minus_9999_and_json_is_valid() -> None:
     assert (first.token, first.logprob) == ("token_id:7", -3.0)
     assert [t.token for t in first.top_logprobs] == ["token_id:1", "token_id:2"]  # the top 2 by rank, not the sampled
     assert second.logprob == NEG_INF_LOGPROB and second.bytes == list(b"token_id:9")
+
+
+def test_an_sse_event_is_one_line_whatever_the_text() -> None:
+    # U+0085, U+2028 and U+2029 are line breaks to str.splitlines (and so to httpx's aiter_lines); JSON may leave
+    # them raw, and the event would arrive cut in two.
+    text = "a\x85b\u2028c\u2029d\x1cé"
+    chunk = CompletionStreamResponse(id="x", model="m", choices=[CompletionResponseChoice(index=0, text=text)])
+    event = _sse(chunk)
+    assert event.endswith("\n\n") and event.startswith("data: ")
+    (line,) = event[:-2].splitlines()
+    assert json.loads(line[len("data: ") :])["choices"][0]["text"] == text
