@@ -4,8 +4,10 @@ trainer in a subprocess of its own, and the trainer's clients for it."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stop_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM it when the process that started it dies, even by SIGKILL
+    (where no `finally` runs), so that a killed trainer leaves no engine serving on."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EngineServer:
@@ -71,7 +80,12 @@ class EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
             )
         return self
 
