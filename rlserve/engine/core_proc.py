@@ -31,6 +31,7 @@ import zmq
 
 from rlserve.config import EngineConfig
 from rlserve.engine.messages import Codec, EngineCoreOutput, UtilityResult, pack_outputs
+from rlserve.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class CoreStartup:
     # Weight-transfer backends the front end registered by class ({name: "module:Class"}); the core registers them
     # too, so a backend registered before the engine was created works as in one process.
     extra_backends: dict[str, str]
+    log_level: int  # the front end's, for rlserve's loggers: what it logs, the core logs too
 
 
 class _SocketTransport:
@@ -104,6 +106,7 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
         shutdown_requested = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    configure_logging(startup.log_level)
     started = time.monotonic()
     try:
         for name, path in startup.extra_backends.items():
@@ -164,7 +167,8 @@ class CoreProcess:
         self.address = f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
         context = _fork_server_context()
         reader, writer = context.Pipe(duplex=False)
-        startup = CoreStartup(config, self.address, os.getpid(), extra_backends)
+        log_level = logging.getLogger("rlserve").getEffectiveLevel()
+        startup = CoreStartup(config, self.address, os.getpid(), extra_backends, log_level)
         self.process = context.Process(
             target=run_engine_core, args=(startup, writer), name="rlserve-engine-core", daemon=True
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -86,7 +87,9 @@ class ModelRunner:
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _build(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         self.model, self.hf_config = load_model(config.model, config.dtype, self.device)
+        logger.info("model loaded on %s in %.1f s", self.device, time.perf_counter() - started)
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
         self.fp32_head = config.lm_head_dtype == "float32"
@@ -107,8 +110,23 @@ class ModelRunner:
         # Set while asleep: the weights' host copies (sleep level 1) or just their shapes (level 2).
         self._slept_weights: dict[str, torch.Tensor] | None = None
         self._allocate_kv_cache()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.bytes_per_block / 2**30,
+        )
+        phase = time.perf_counter()
         self._capture_graphs()
+        if self.cuda_graphs is not None:
+            logger.info("decode CUDA graphs captured in %.1f s", time.perf_counter() - phase)
+        phase = time.perf_counter()
         self._warm_up()
+        logger.info(
+            "kernels warmed up in %.1f s; the runner took %.1f s",
+            time.perf_counter() - phase,
+            time.perf_counter() - started,
+        )
 
     def _allocate_kv_cache(self) -> None:
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
