@@ -19,9 +19,11 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_core
+from rlserve.log import configure_logging
 from rlserve.server.app import API_KEY_ENV, build_app
 
 logger = logging.getLogger(__name__)
@@ -75,18 +77,30 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
     return 0
 
 
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (as uvicorn and vLLM choose): streaming a token per chunk to a
+    thousand clients is mostly event-loop and socket work, which uvloop does in C."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def _run_api_server(
     args: argparse.Namespace, sock: socket.socket, core_address: str | None, core_pid: int | None
 ) -> int:
     engine = AsyncLLM(args.model, core_address=core_address, core_pid=core_pid, **engine_kwargs(args))
     try:
-        return asyncio.run(_serve_until_engine_dies(engine, args, sock))
+        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+            return runner.run(_serve_until_engine_dies(engine, args, sock))
     finally:
         engine.shutdown()
 
 
 def _api_server_process(args: argparse.Namespace, sock: socket.socket, core_address: str, core_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us with SIGTERM
+    configure_logging(args.log_level)
     sys.exit(_run_api_server(args, sock, core_address, core_pid))
 
 
@@ -136,6 +150,7 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
     if args.enable_rl_api and not _api_key(args):
         print(
             "rlserve serve: --enable-rl-api needs an API key (--api-key KEY or $RLSERVE_API_KEY): the RL routes pause "
@@ -151,6 +166,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.api_server_count == 1:
             return _run_api_server(args, sock, None, None)
         return _supervise(args, sock)
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down in order and passes the signal on; a stop, not an error
+        return 0
     finally:
         sock.close()
 
