@@ -4,11 +4,13 @@
 #   startup_cold       seconds from starting `rlserve serve` to its first served completion (benchmarks/startup_time.py)
 #                      on a cold Triton cache; startup_inproc and startup_warm (core in process / own process) at the end.
 #   w1_mp, w1_inproc   W1 through `LLM.generate` (benchmarks/offline_generate.py), the core in its own process (the
-#                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run.
-#   w7, w7_stream      W7 server vs offline (benchmarks/server_throughput.py, 1024 x 256 in / 256 out), without and
-#                      with streaming; API_SERVERS (1) and STREAM_INTERVAL (1) become --api-server-count and
-#                      --stream-interval; w7_stream_tuned streams with two API servers and 4 tokens per chunk.
-#                      PROFILE=1 adds w7_profile: W7 under py-spy (every process sampled; PROFILE_ARGS=--stream).
+#                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run (W7's
+#                      offline row is w1_mp again: SKIP="w1_mp w1_inproc" saves their time).
+#   w7                 W7 server vs offline (benchmarks/server_throughput.py, 1024 x 256 in / 256 out) for each
+#                      server set-up in W7_VARIANTS (';'-separated `--variant` specs), against one offline figure:
+#                      by default non-streaming and streaming with one API server, then with four, then four
+#                      streaming 4 tokens per chunk. PROFILE=1 adds w7_profile: W7 under py-spy (every process
+#                      sampled; PROFILE_ARGS: its --variant spec, e.g. "stream").
 #   demo_ipc, w4_ipc   the ipc demo (40 steps): sync and pause per step; weight_sync.py over ipc (100 updates).
 # Each part has its own time limit, and none runs past BUDGET_S (default 540) from the script's start: a part that would
 # is cut to what is left, and one with less than 30 s left is skipped. SKIP="w4_ipc demo_ipc ..." skips parts by name.
@@ -22,8 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
 LOGS=${LOGS:-/tmp/gpu_server}
 BUDGET_S=${BUDGET_S:-540}
-API_SERVERS=${API_SERVERS:-1}
-STREAM_INTERVAL=${STREAM_INTERVAL:-1}
+W7_VARIANTS=${W7_VARIANTS:-;stream;--api-server-count=4;stream --api-server-count=4;stream --api-server-count=4 --stream-interval=4}
 W7_REPEATS=${W7_REPEATS:-1}
 SKIP=${SKIP:-}
 # For a smoke test elsewhere: DEVICE=cpu DTYPE=float32 PRESET=tiny W1_SCALE=0.01 NUM_PROMPTS=16 SEQ_LEN=16.
@@ -95,7 +96,7 @@ part() {  # part NAME SECONDS COMMAND...: the command, at most SECONDS and never
 }
 
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$LOGS/gpu.txt"
-if ! python3 -c "import fastapi, uvicorn, zmq, msgspec, pydantic, httpx, prometheus_client" 2>/dev/null; then
+if ! python3 -c "import fastapi, uvicorn, uvloop, httptools, zmq, msgspec, pydantic, httpx, prometheus_client" 2>/dev/null; then
   if ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "the image lacks the server's packages and no wheels came along: carry .whl (see the header)" | tee -a "$SUM"
     pack
@@ -112,28 +113,6 @@ pydantic.VERSION, 'pyzmq', zmq.__version__, 'libzmq', zmq.zmq_version(), 'msgspe
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$LOGS/gpu.txt"
 git status --short 2>/dev/null | head -n 30 >>"$LOGS/gpu.txt"
 
-# API_SERVERS and STREAM_INTERVAL: an engine flag (server_throughput.py lists it) goes to both sides of W7, a flag of
-# `rlserve serve` alone to its server side; both to the start-up parts. A flag neither has is left out at its default 1.
-timeout 90 python3 -m rlserve.cli serve --help >"$LOGS/serve_help.txt" 2>&1 &
-timeout 90 python3 benchmarks/server_throughput.py --help >"$LOGS/w7_help.txt" 2>&1 &
-wait
-W7_ARGS=() STARTUP_ARGS=()
-flag() {  # flag NAME VALUE
-  local name=$1 value=$2
-  if grep -qE -- "^ +$name( |,|$)" "$LOGS/w7_help.txt"; then
-    W7_ARGS+=("$name=$value")
-  elif grep -qE -- "^ +$name( |,|$)" "$LOGS/serve_help.txt" || [ "$value" != 1 ]; then
-    W7_ARGS+=("--server-arg=$name=$value")  # asked for where serve lacks it: it says so and the part fails
-  else
-    echo "   note: rlserve serve has no $name; not passed" | tee -a "$SUM"
-    return
-  fi
-  STARTUP_ARGS+=("--serve-arg=$name=$value")
-}
-flag --api-server-count "$API_SERVERS"
-flag --stream-interval "$STREAM_INTERVAL"
-echo "W7 flags: ${W7_ARGS[*]:-none}; start-up flags: ${STARTUP_ARGS[*]:-none}" | tee -a "$SUM"
-
 # The model, once (bf16, as every part below runs it); a part builds its own if this fails.
 MODEL=/tmp/rlserve-$PRESET-$DTYPE
 MODEL_ARGS=()
@@ -142,23 +121,24 @@ print(make_model_dir('$MODEL', preset='$PRESET', dtype=torch.$DTYPE))"; then
   MODEL_ARGS=(--model-dir "$MODEL")  # a second run in the same call reuses it
 fi
 
-STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" "${MODEL_ARGS[@]}"
-  "${STARTUP_ARGS[@]}")
+# The server logs at info: the engine's start-up phases (model load, CUDA graphs, warm-up) are in the server logs.
+STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
+  ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --serve-arg=--log-level=info)
 # First, on a cold Triton cache, as a fresh machine starts; again at the end, warm, beside the core in process.
 part startup_cold 100 "${STARTUP[@]}" --timeout 90 --log "$LOGS/startup_cold_server.log" --out "$LOGS/startup_cold.json"
 
 W7=(python3 benchmarks/server_throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
   --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" --output-len "$SEQ_LEN" --repeats "$W7_REPEATS"
-  "${MODEL_ARGS[@]}" "${W7_ARGS[@]}")
-part w7 150 "${W7[@]}"
-part w7_stream 150 "${W7[@]}" --stream
-# Streaming as a high-concurrency RL client would run it: two API servers, four tokens per chunk.
-part w7_stream_tuned 150 "${W7[@]}" --stream --stream-interval=4 --server-arg=--api-server-count=2
+  ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})
+IFS=';' read -r -a SPECS <<<"$W7_VARIANTS"
+VARIANT_ARGS=()
+for spec in "${SPECS[@]}"; do VARIANT_ARGS+=("--variant=$spec"); done
+part w7 300 "${W7[@]}" "${VARIANT_ARGS[@]}"
 # Where the time goes with the server (PROFILE=1): py-spy samples every process of the benchmark.
 if [ -n "${PROFILE:-}" ] && { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }; then
   SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
   part w7_profile 120 "$SPY" record --subprocesses --nonblocking --rate 50 --format raw -o "$LOGS/w7_profile.txt" -- \
-    "${W7[@]}" ${PROFILE_ARGS:-}
+    "${W7[@]}" --variant "${PROFILE_ARGS:-}"
 fi
 W1=(python3 benchmarks/offline_generate.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --scale "$W1_SCALE"
   ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})
@@ -179,7 +159,7 @@ part startup_warm 60 "${STARTUP[@]}" --timeout 55 --log "$LOGS/startup_warm_serv
   for name in w1_mp w1_inproc; do
     [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 " "$LOGS/$name.log" | sed "s/^/$name: /"
   done
-  for name in w7 w7_stream w7_stream_tuned w7_profile; do
+  for name in w7 w7_profile; do
     [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
   for name in startup_cold startup_inproc startup_warm; do

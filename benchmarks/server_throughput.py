@@ -12,6 +12,10 @@ output tokens/s per repetition, their median, and the server/offline ratio of me
 are not engine flags reach the server alone through `--server-arg=--flag=value` (repeatable), e.g.
 `--server-arg=--api-server-count=2`.
 
+Several server set-ups against one offline measurement: `--variant "stream --api-server-count=4 --stream-interval=4"`
+(repeatable; `stream` makes the clients stream, the rest are server flags). Variants with the same server flags share
+one server.
+
 On a CPU shared with other work, torch's intra-op threads can stall each other and cut throughput tenfold at random;
 `--cpu-threads 1` (both sides) gives figures that mean something there.
 """
@@ -39,7 +43,7 @@ from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwarg
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0
-CLIENT_IMPORT_S = 8.0  # client processes import this module (torch, httpx) before they are released
+CLIENT_READY_TIMEOUT_S = 120.0  # client processes import this module (torch, httpx) before they are released
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -75,10 +79,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
+def start_server(
+    model_dir: str, args: argparse.Namespace, server_args: list[str], port: int, log: Path
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", model_dir, "--port", str(port), "--log-level", "warning"]
     cmd += engine_flags(**engine_args(args))
-    cmd += args.server_arg  # server-only flags (not engine fields), e.g. --api-server-count=2
+    cmd += server_args  # server-only flags (not engine fields), e.g. --api-server-count=2
     env = dict(os.environ)
     if args.cpu_threads:
         env["OMP_NUM_THREADS"] = str(args.cpu_threads)  # torch's intra-op threads in the server process
@@ -135,8 +141,8 @@ async def _send_all(url: str, prompts: list[list[int]], args: argparse.Namespace
     return total, t0, t1
 
 
-def _client_process(url, prompts, args, model, concurrency, start, results) -> None:
-    start.wait()
+def _client_process(url, prompts, args, model, concurrency, ready, results) -> None:
+    ready.wait()  # every client imported: the clock starts for all at once
     results.put(asyncio.run(_send_all(url, prompts, args, model, concurrency)))
 
 
@@ -149,16 +155,15 @@ def _send_from_processes(url: str, prompts: list[list[int]], args: argparse.Name
         total, t0, t1 = asyncio.run(_send_all(url, prompts, args, model, concurrency))
     else:
         context = multiprocessing.get_context("spawn")
-        start, results = context.Event(), context.Queue()
+        ready, results = context.Barrier(n + 1, timeout=CLIENT_READY_TIMEOUT_S), context.Queue()
         shares = [prompts[i::n] for i in range(n)]
         procs = [
-            context.Process(target=_client_process, args=(url, share, args, model, concurrency, start, results))
+            context.Process(target=_client_process, args=(url, share, args, model, concurrency, ready, results))
             for share in shares
         ]
         for proc in procs:
             proc.start()
-        time.sleep(CLIENT_IMPORT_S)  # let them import before the clock starts
-        start.set()
+        ready.wait()
         parts = [results.get(timeout=600) for _ in procs]
         for proc in procs:
             proc.join(30)
@@ -169,14 +174,21 @@ def _send_from_processes(url: str, prompts: list[list[int]], args: argparse.Name
     return total / (t1 - t0)
 
 
-def run_server(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
+def run_server(
+    model_dir: str, args: argparse.Namespace, server_args: list[str], streams: list[bool], prompt_sets: list
+) -> dict[bool, list[float]]:
+    """One server with `server_args`, measured with each client mode in `streams`: {stream: rates}."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="rlserve-w7-")) / "server.log"
-    proc = start_server(model_dir, args, port, log)
+    proc = start_server(model_dir, args, server_args, port, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(_send_all(url, prompt_sets[0][:4], args, model_dir, 4))  # warm-up
-        return [_send_from_processes(url, prompts, args, model_dir) for prompts in prompt_sets[1:]]
+        rates = {}
+        for stream in streams:
+            mode = argparse.Namespace(**{**vars(args), "stream": stream})
+            asyncio.run(_send_all(url, prompt_sets[0][:4], mode, model_dir, 4))  # warm-up
+            rates[stream] = [_send_from_processes(url, prompts, mode, model_dir) for prompts in prompt_sets[1:]]
+        return rates
     finally:
         proc.terminate()
         try:
@@ -184,6 +196,14 @@ def run_server(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _parse_variant(spec: str) -> tuple[bool, tuple[str, ...]]:
+    words = spec.split()
+    flags = tuple(w for w in words if w != "stream")
+    if any(not w.startswith("--") for w in flags):
+        raise SystemExit(f"--variant {spec!r}: expected 'stream' and --flag=value words")
+    return "stream" in words, flags
 
 
 def main() -> int:
@@ -210,6 +230,14 @@ def main() -> int:
         metavar="ARG",
         help="extra `rlserve serve` argument for the server side only, repeatable; write it as --server-arg=--flag=v",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help='a server set-up to measure, repeatable: "[stream] [--serve-flag=value ...]" (instead of --stream and '
+        "--server-arg)",
+    )
     # --dtype not given: bfloat16 on cuda, float32 on cpu (the toy model is made in it too).
     add_engine_arguments(ap, defaults={"device": "cpu", "max_num_seqs": 1024, "max_num_batched_tokens": 16384})
     args = ap.parse_args()
@@ -227,22 +255,32 @@ def main() -> int:
     # Set 0 warms up; sets 1..repeats are measured, the same ones on both sides.
     prompt_sets = [make_prompts(args.num_prompts, args.input_len, vocab, seed) for seed in range(args.repeats + 1)]
 
+    variants = [_parse_variant(v) for v in args.variant] or [(args.stream, tuple(args.server_arg))]
     offline = run_offline(model_dir, args, prompt_sets)
-    server = run_server(model_dir, args, prompt_sets)
-    off_med, srv_med = statistics.median(offline), statistics.median(server)
+    server: dict[tuple[bool, tuple[str, ...]], list[float]] = {}
+    for server_args in dict.fromkeys(flags for _, flags in variants):  # one server per set of flags, in order
+        streams = [stream for stream, flags in variants if flags == server_args]
+        for stream, rates in run_server(model_dir, args, list(server_args), streams, prompt_sets).items():
+            server[stream, server_args] = rates
+    off_med = statistics.median(offline)
 
     print(
         f"\nW7 server throughput: preset={args.preset} device={args.device} dtype={args.dtype} "
         f"prompts={args.num_prompts} in={args.input_len} out={args.output_len} concurrency={args.concurrency} "
-        f"stream={args.stream} client_processes={args.client_processes} repeats={args.repeats} "
+        f"client_processes={args.client_processes} repeats={args.repeats} "
         f"cpu_threads={args.cpu_threads or torch.get_num_threads()}"
-        + (f" server_args={' '.join(args.server_arg)}" if args.server_arg else "")
     )
-    print(f"| {'mode':<8} | {'output tok/s per repetition':<40} | {'median tok/s':>12} | {'vs offline':>10} |")
-    print(f"|{'-' * 10}|{'-' * 42}|{'-' * 14}|{'-' * 12}|")
-    for name, rates, med in (("offline", offline, off_med), ("server", server, srv_med)):
+    print(f"| {'mode':<52} | {'output tok/s per repetition':<28} | {'median tok/s':>12} | {'vs offline':>10} |")
+    print(f"|{'-' * 54}|{'-' * 30}|{'-' * 14}|{'-' * 12}|")
+    rows = [("offline", offline)]
+    rows += [
+        (" ".join(["server", *(["stream"] if stream else []), *flags]), server[stream, flags])
+        for stream, flags in variants
+    ]
+    for name, rates in rows:
         reps = ", ".join(f"{r:.0f}" for r in rates)
-        print(f"| {name:<8} | {reps:<40} | {med:>12.0f} | {med / off_med:>10.3f} |")
+        med = statistics.median(rates)
+        print(f"| {name:<52} | {reps:<28} | {med:>12.0f} | {med / off_med:>10.3f} |")
     return 0
 
 
