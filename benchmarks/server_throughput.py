@@ -56,8 +56,17 @@ def engine_args(args: argparse.Namespace) -> dict:
     return {**engine_kwargs(args), "max_model_len": args.input_len + args.output_len + 16}
 
 
+_T0 = time.monotonic()
+
+
+def progress(message: str) -> None:
+    """A line on stderr as each phase ends: a run cut off by a time limit still shows how far it got."""
+    print(f"[{time.monotonic() - _T0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 def run_offline(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
     llm = LLM(model_dir, **engine_args(args))
+    progress("offline engine started")
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[0][:4]], params, use_tqdm=False)  # warm-up
     rates = []
@@ -66,6 +75,7 @@ def run_offline(model_dir: str, args: argparse.Namespace, prompt_sets: list[list
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         dt = time.perf_counter() - t0
         rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / dt)
+        progress(f"offline: {rates[-1]:.0f} tok/s")
     llm.shutdown()
     del llm
     if torch.cuda.is_available():
@@ -181,13 +191,17 @@ def run_server(
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="rlserve-w7-")) / "server.log"
     proc = start_server(model_dir, args, server_args, port, log)
+    progress(f"server {' '.join(server_args) or '(defaults)'} healthy")
     url = f"http://127.0.0.1:{port}"
     try:
         rates = {}
         for stream in streams:
             mode = argparse.Namespace(**{**vars(args), "stream": stream})
             asyncio.run(_send_all(url, prompt_sets[0][:4], mode, model_dir, 4))  # warm-up
-            rates[stream] = [_send_from_processes(url, prompts, mode, model_dir) for prompts in prompt_sets[1:]]
+            rates[stream] = []
+            for prompts in prompt_sets[1:]:
+                rates[stream].append(_send_from_processes(url, prompts, mode, model_dir))
+                progress(f"server {'stream ' if stream else ''}{' '.join(server_args)}: {rates[stream][-1]:.0f} tok/s")
         return rates
     finally:
         proc.terminate()

@@ -62,10 +62,15 @@ def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device)
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
     with torch.device("meta"):
         model = DecoderForCausalLM(spec, rotary)
-    model = model.to(dtype).to_empty(device=device)
-    if spec.tie_word_embeddings:  # to_empty re-creates parameters; tie them again
+    # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
+    # implementation imports sympy (a second of every engine's start-up).
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            storage = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
+    if spec.tie_word_embeddings:  # parameters were re-created: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    return model.eval()
 
 
 def load_model(

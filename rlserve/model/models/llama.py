@@ -142,7 +142,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Given its weight, nn.Embedding skips its random init: on the meta device that init (normal_) imports
+        # torch._dynamo, seconds of an engine's start-up, for values the checkpoint overwrites anyway.
+        self.embed_tokens = nn.Embedding(
+            spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
