@@ -119,7 +119,7 @@ class AsyncLLM(EngineFrontEnd):
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
-            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children])])
+            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)])
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):

@@ -78,7 +78,9 @@ class EngineCore:
 
     # ---- requests ----
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -93,6 +95,7 @@ class EngineCore:
             self.max_model_len,
             generator,
             self.config.stream_interval,
+            cache_salt=cache_salt,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)

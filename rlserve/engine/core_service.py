@@ -137,7 +137,7 @@ class EngineCoreService:
         for request_id, params in zip(message.request_ids, message.params, strict=True):
             self.owners[request_id] = client
             try:
-                self.core.add_request(request_id, prompt, params)
+                self.core.add_request(request_id, prompt, params, message.cache_salt)
             except ValueError:  # the front end validated it; a duplicate id or a race with sleep ends it here
                 logger.exception("refused request %s", request_id)
                 self._route(self._refused([request_id]))
