@@ -55,7 +55,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
-    app = build_app(engine, _api_key(args), args.enable_rl_api, args.served_model_name or args.model)
+    app = build_app(
+        engine, _api_key(args), args.enable_rl_api, args.served_model_name or args.model, args.allowed_weight_dirs
+    )
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full
@@ -180,6 +182,13 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", default=None, help=f"required on /v1 and RL routes (default: ${API_KEY_ENV})")
     serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    serve.add_argument(
+        "--allowed-weight-dirs",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update)',
+    )
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument(
         "--api-server-count",
