@@ -68,7 +68,7 @@ def generation_defaults(model: str, source: str) -> tuple[dict[str, Any], dict[s
         if source == "auto":
             return {}, {}
         raise ValueError(f"--generation-config {source}: no readable generation_config.json there ({e})") from e
-    # The values that differ from transformers' defaults, as vLLM reads them: a file restating a default sets nothing.
+    # What differs from transformers' GenerationConfig defaults (to_diff_dict), as vLLM reads the file.
     values = {k: v for k, v in config.to_diff_dict().items() if k in GENERATION_CONFIG_FIELDS and v is not None}
     sampling = {GENERATION_CONFIG_FIELDS[k]: v for k, v in values.items() if GENERATION_CONFIG_FIELDS[k] is not None}
     unsupported = {k: v for k, v in values.items() if GENERATION_CONFIG_FIELDS[k] is None}
