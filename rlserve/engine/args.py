@@ -2,8 +2,9 @@
 
 The flags are derived from the fields (name, type, default, and `help`/`choices` in their metadata), so the CLI,
 the server, the demo and the benchmarks offer every engine option under one spelling each: `--max-num-seqs` for
-`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field. Other spellings (today's, and
-vLLM's later) are one line each in `FLAG_ALIASES`.
+`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field, and vLLM's `4k`/`4K` for counts
+marked `human_readable`. Other spellings are one line each in `FLAG_ALIASES`; `FlagParser` takes vLLM's underscored
+spelling (`--max_model_len`) of every flag.
 """
 
 from __future__ import annotations
