@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
 from rlserve.engine.llm import PromptType, ValidatedPrompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
+from rlserve.server.defaults import ServingDefaults
 from rlserve.server.generate_protocol import (
     GenerateChoice,
     GenerateRequest,
@@ -90,14 +91,18 @@ def _sse(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def make_auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that demands `Authorization: Bearer <api_key>` (no check when the key is None)."""
+def make_auth(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that demands `Authorization: Bearer <key>` with any of `api_keys` (no check when there are none)."""
+    keys = [key.encode() for key in api_keys]
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        sent = token.strip().encode()
+        # Every key compared, in constant time each: how long the check takes says nothing about which key is close.
+        matches = [secrets.compare_digest(sent, key) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
     return check_api_key
@@ -148,20 +153,23 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Non
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses and chunks."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: AsyncLLM, model_names: Sequence[str], metrics: ServerMetrics, defaults: ServingDefaults
+    ) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]  # responses name the first, as vLLM's
         self.metrics = metrics
+        self.defaults = defaults
         # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
         self.active: dict[str, list[str]] = {}
 
     # ---- shared ----
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).", "model"
-            )
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
+            raise APIError(404, f"The model `{model}` does not exist (this server serves {served}).", "model")
 
     def _validate(
         self, prompts: list[PromptType], params: SamplingParams, rename: Mapping[str, str]
@@ -291,13 +299,13 @@ class OpenAIServing:
         self._check_model(req.model)
         rename = {"prompt_token_ids": "prompt"}
         try:
-            params = req.sampling_params()
+            params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
         engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in req.prompts()]
         prompts = self._validate(engine_prompts, params, rename)
         request_id = new_id("cmpl")
-        fmt = TokenFormatter(req.return_tokens_as_token_ids)
+        fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         n = params.n
 
         if req.stream:
@@ -366,6 +374,7 @@ class OpenAIServing:
                 [m.template_dict() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
+                chat_template=self.defaults.chat_template,
                 **(req.chat_template_kwargs or {}),
             )
         except APIError:
@@ -381,12 +390,12 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         try:
-            params = req.sampling_params()
+            params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
         prompts = self._validate([self._chat_prompt(req)], params, rename)
         request_id = new_id("chatcmpl")
-        fmt = TokenFormatter(req.return_tokens_as_token_ids)
+        fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         top_k = params.logprobs or 0
 
         def logprobs(s: CompletionOutput) -> Any:
@@ -598,19 +607,27 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(
     engine: AsyncLLM,
-    api_key: str | None,
+    api_key: str | Sequence[str] | None,
     enable_rl_api: bool,
-    served_model_name: str,
+    served_model_name: str | Sequence[str],
+    *,
+    rl_api_keyed: bool = True,
+    defaults: ServingDefaults | None = None,
     allowed_weight_dirs: Collection[str] = (),
 ) -> FastAPI:
-    if enable_rl_api and not api_key:
+    """`api_key`: the keys /v1 (and, if `rl_api_keyed`, the RL routes) accept, any of them; `served_model_name`: the
+    names requests may send, the first in responses. `rl_api_keyed=False` is vLLM dev mode's keyless RL routes.
+    `allowed_weight_dirs`: where /update_weights {"weight_dir"} may load checkpoints from."""
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if enable_rl_api and rl_api_keyed and not api_keys:
         raise ValueError(
             "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
         )
     app = FastAPI(title="rlserve", version=rlserve.__version__)
-    metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics)
-    auth = make_auth(api_key)
+    metrics = ServerMetrics(engine, model_names[0])
+    serving = OpenAIServing(engine, model_names, metrics, defaults or ServingDefaults())
+    auth = make_auth(api_keys)
     _install_error_handlers(app)
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)}
 
@@ -631,8 +648,11 @@ def build_app(
 
     @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)
     async def models() -> ModelList:
-        card = ModelCard(id=served_model_name, root=engine.model_name, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in model_names
+            ]
+        )
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], responses=errors)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -644,6 +664,7 @@ def build_app(
 
     app.include_router(build_vllm_router(serving, auth), responses=errors)
     if enable_rl_api:
-        rl_router = build_rl_router(engine, serving.active, auth, metrics, allowed_weight_dirs)
+        rl_auth = auth if rl_api_keyed else make_auth([])
+        rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs)
         app.include_router(rl_router, responses=errors)
     return app
