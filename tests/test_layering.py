@@ -12,6 +12,7 @@ import rlserve
 LAYERS: dict[str, int] = {
     "config": 0,
     "dtypes": 0,
+    "log": 0,
     "sampling_params": 0,
     "outputs": 0,
     "weight_transfer": 1,

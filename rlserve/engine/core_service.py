@@ -19,6 +19,7 @@ import torch
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (
+    SLEEP_MODES,
     AbortRequests,
     AddRequest,
     AddRequests,
@@ -272,9 +273,6 @@ def _core_method(name: str) -> Callable:
     return call
 
 
-# vLLM's "wait" (sleep once the requests in flight finish) is not offered: a sleeping core restores the pause
-# state it fell asleep in, so it would wake paused.
-SLEEP_MODES = ("abort", "keep")
 _DEFERRED = object()  # the result is sent later (a pause(mode="wait"))
 _BACKGROUND_METHODS = frozenset({"init_weight_transfer_engine"})
 _UTILITY_METHODS: dict[str, Callable] = {

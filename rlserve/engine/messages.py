@@ -33,6 +33,9 @@ class EngineCoreOutput:
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
+# vLLM's "wait" (sleep once the requests in flight finish) is not offered: a sleeping core restores the pause
+# state it fell asleep in, so it would wake paused.
+SLEEP_MODES = ("abort", "keep")
 
 
 def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:

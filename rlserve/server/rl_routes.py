@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.core_service import SLEEP_MODES
+from rlserve.engine.messages import SLEEP_MODES
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError
 from rlserve.weight_transfer.checksum import compare_checksums
