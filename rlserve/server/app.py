@@ -138,10 +138,9 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Non
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses and chunks."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.metrics = metrics
         # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
         self.active: dict[str, list[str]] = {}
 
@@ -223,10 +222,6 @@ class OpenAIServing:
                 finals[i] = out
         return finals
 
-    def _count_finished(self, sample: CompletionOutput) -> None:
-        if sample.finish_reason is not None:
-            self.metrics.count_finished(sample.finish_reason)
-
     async def _stream(
         self,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -263,7 +258,6 @@ class OpenAIServing:
                         yield _sse(make_chunk(index, out, sample, first, prompt_lps.get(i) if first else None))
                         if sample.finish_reason is not None:
                             finished.add(index)
-                            self._count_finished(sample)
             if include_usage:
                 yield _sse(make_usage_chunk(usage.info()))
         except APIError as e:
@@ -330,7 +324,6 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             usage.add(i, out)
             for s in out.outputs:
-                self._count_finished(s)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + s.index,
@@ -430,7 +423,6 @@ class OpenAIServing:
         usage.add(0, out)
         choices = []
         for s in out.outputs:
-            self._count_finished(s)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=s.index,
@@ -488,7 +480,7 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
         )
     app = FastAPI(title="rlserve", version=rlserve.__version__)
     metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name, metrics)
+    serving = OpenAIServing(engine, served_model_name)
     auth = make_auth(api_key)
     _install_error_handlers(app)
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)}
