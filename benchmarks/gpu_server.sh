@@ -10,7 +10,8 @@
 #                      server set-up in W7_VARIANTS (';'-separated `--variant` specs), against one offline figure:
 #                      by default non-streaming and streaming with one API server, then with four, then four
 #                      streaming 4 tokens per chunk. PROFILE=1 adds w7_profile: W7 under py-spy (every process
-#                      sampled; PROFILE_ARGS: its --variant spec, e.g. "stream").
+#                      sampled; PROFILE_ARGS: its --variant spec, e.g. "stream") and startup_profile (start-up
+#                      under py-spy, every process).
 #   demo_ipc, w4_ipc   the ipc demo (40 steps): sync and pause per step; weight_sync.py over ipc (100 updates).
 # Each part has its own time limit, and none runs past BUDGET_S (default 540) from the script's start: a part that would
 # is cut to what is left, and one with less than 30 s left is skipped. SKIP="w4_ipc demo_ipc ..." skips parts by name.
@@ -126,6 +127,12 @@ STARTUP=(python3 benchmarks/startup_time.py --device "$DEVICE" --preset "$PRESET
   ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --serve-arg=--log-level=info)
 # First, on a cold Triton cache, as a fresh machine starts; again at the end, warm, beside the core in process.
 part startup_cold 100 "${STARTUP[@]}" --timeout 90 --log "$LOGS/startup_cold_server.log" --out "$LOGS/startup_cold.json"
+SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+if [ -n "${PROFILE:-}" ] && [ -x "$SPY" ]; then
+  # Where start-up goes in every process (the core's model load took 7 s against 0.5 s in process, 2026-12-01).
+  part startup_profile 90 "$SPY" record --subprocesses --rate 100 --format raw -o "$LOGS/startup_profile.txt" -- \
+    "${STARTUP[@]}" --timeout 80 --log "$LOGS/startup_profile_server.log"
+fi
 
 W7=(python3 benchmarks/server_throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
   --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" --output-len "$SEQ_LEN" --repeats "$W7_REPEATS"
@@ -135,10 +142,9 @@ VARIANT_ARGS=()
 for spec in "${SPECS[@]}"; do VARIANT_ARGS+=("--variant=$spec"); done
 part w7 300 "${W7[@]}" "${VARIANT_ARGS[@]}"
 # Where the time goes with the server (PROFILE=1): py-spy samples every process of the benchmark.
-if [ -n "${PROFILE:-}" ] && { command -v py-spy >/dev/null || [ -x /tmp/site/bin/py-spy ]; }; then
-  SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+if [ -n "${PROFILE:-}" ] && [ -x "$SPY" ]; then
   part w7_profile 120 "$SPY" record --subprocesses --nonblocking --rate 50 --format raw -o "$LOGS/w7_profile.txt" -- \
-    "${W7[@]}" --variant "${PROFILE_ARGS:-}"
+    "${W7[@]}" "--variant=${PROFILE_ARGS:-}"
 fi
 W1=(python3 benchmarks/offline_generate.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE" --scale "$W1_SCALE"
   ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})

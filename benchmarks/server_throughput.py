@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import socket
 import statistics
@@ -37,13 +36,15 @@ from pathlib import Path
 
 import httpx
 import torch
+from w7_clients import send_all
 
 from rlserve import LLM, SamplingParams
 from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwargs
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0
-CLIENT_READY_TIMEOUT_S = 120.0  # client processes import this module (torch, httpx) before they are released
+CLIENTS = Path(__file__).with_name("w7_clients.py")
+CLIENT_TIMEOUT_S = 30.0  # for a client process to exit after its result
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -114,70 +115,45 @@ def start_server(
     raise TimeoutError(f"server not healthy after {SERVER_START_TIMEOUT_S:g} s")
 
 
-async def _one(http: httpx.AsyncClient, body: dict, stream: bool) -> int:
-    if not stream:
-        response = await http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"]
-    tokens = 0
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                tokens += sum(len(c.get("weight_versions") or []) for c in json.loads(line[6:])["choices"])
-    return tokens
-
-
-async def _send_all(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str, concurrency: int):
-    """Send `prompts` over `concurrency` connections; (output tokens, first send, last answer) in wall-clock time."""
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    common = dict(model=model, max_tokens=args.output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
-    total = 0
-
-    async def client(http: httpx.AsyncClient) -> None:
-        nonlocal total
-        while not queue.empty():
-            prompt = queue.get_nowait()
-            tokens = await _one(http, {**common, "prompt": prompt}, args.stream)
-            total += tokens  # not `total += await ...`: that reads total before the await and loses updates
-
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as http:
-        t0 = time.time()
-        await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        t1 = time.time()
-    return total, t0, t1
-
-
-def _client_process(url, prompts, args, model, concurrency, ready, results) -> None:
-    ready.wait()  # every client imported: the clock starts for all at once
-    results.put(asyncio.run(_send_all(url, prompts, args, model, concurrency)))
-
-
 def _send_from_processes(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str) -> float:
-    """The prompts split over `--client-processes` processes, released together: one Python process cannot drive
-    a thousand connections (httpx's pool scans every connection per request) as fast as the server answers them."""
+    """The prompts split over `--client-processes` client processes (benchmarks/w7_clients.py), released together
+    once all are connected: one Python process cannot drive a thousand connections (httpx's pool scans every
+    connection per request) as fast as the server answers them."""
     n = min(args.client_processes, len(prompts))
     concurrency = -(-args.concurrency // n)
-    if n == 1:
-        total, t0, t1 = asyncio.run(_send_all(url, prompts, args, model, concurrency))
-    else:
-        context = multiprocessing.get_context("spawn")
-        ready, results = context.Barrier(n + 1, timeout=CLIENT_READY_TIMEOUT_S), context.Queue()
-        shares = [prompts[i::n] for i in range(n)]
-        procs = [
-            context.Process(target=_client_process, args=(url, share, args, model, concurrency, ready, results))
-            for share in shares
-        ]
+    procs = [
+        subprocess.Popen([sys.executable, str(CLIENTS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(n)
+    ]
+    try:
+        for i, proc in enumerate(procs):
+            job = dict(
+                url=url, prompts=prompts[i::n], model=model, concurrency=concurrency, output_len=args.output_len,
+                stream=args.stream,
+            )  # fmt: skip
+            proc.stdin.write(json.dumps(job) + "\n")
+            proc.stdin.flush()
         for proc in procs:
-            proc.start()
-        ready.wait()
-        parts = [results.get(timeout=600) for _ in procs]
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError("a W7 client process failed to start")
         for proc in procs:
-            proc.join(30)
-        total, t0, t1 = sum(p[0] for p in parts), min(p[1] for p in parts), max(p[2] for p in parts)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        parts = []
+        for proc in procs:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"a W7 client process failed (exit {proc.wait(CLIENT_TIMEOUT_S)})")
+            parts.append(json.loads(line))
+    finally:
+        for proc in procs:
+            try:
+                proc.wait(CLIENT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    total = sum(p["tokens"] for p in parts)
+    t0, t1 = min(p["t0"] for p in parts), max(p["t1"] for p in parts)
     expected = len(prompts) * args.output_len
     if total != expected:
         raise RuntimeError(f"the server returned {total} tokens, expected {expected}")
@@ -197,7 +173,8 @@ def run_server(
         rates = {}
         for stream in streams:
             mode = argparse.Namespace(**{**vars(args), "stream": stream})
-            asyncio.run(_send_all(url, prompt_sets[0][:4], mode, model_dir, 4))  # warm-up
+            warm_up = dict(url=url, prompts=prompt_sets[0][:4], model=model_dir, concurrency=4, stream=stream)
+            asyncio.run(send_all({**warm_up, "output_len": args.output_len}))
             rates[stream] = []
             for prompts in prompt_sets[1:]:
                 rates[stream].append(_send_from_processes(url, prompts, mode, model_dir))

@@ -7,7 +7,7 @@ import json
 import sys
 import tempfile
 
-from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.args import FlagParser, add_engine_arguments, engine_kwargs
 from rlserve.engine.core_proc import multiprocessing_enabled, start_fork_server
 
 
@@ -45,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlserve", description=__doc__)
+    parser = FlagParser(prog="rlserve", description=__doc__)  # its subcommands' parsers are FlagParsers too
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation from the command line")

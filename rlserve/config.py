@@ -23,26 +23,39 @@ class WeightTransferConfig:
     backend: str = "nccl"
 
 
-def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A field with its command-line help (and allowed values, checked by EngineConfig too)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None, human_readable: bool = False) -> Any:
+    """A field with its command-line help (and allowed values, checked by EngineConfig too). `human_readable`: a
+    count of tokens or bytes, which its flag also takes as vLLM writes them (`4k` = 4000, `4K` = 4096)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "human_readable": human_readable})
+
+
+def resolve_device(device: str) -> str:
+    """`auto` is CUDA when torch finds a GPU, else the CPU (vLLM's behaviour: a GPU machine never silently gets the
+    CPU); any other value is kept."""
+    if device != "auto":
+        return device
+    import torch  # here, not at the top: this module stays importable (and the flags parseable) without torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(metadata={"help": "Hugging Face model directory"})
     dtype: str = _option("auto", "weights and activations (auto: the checkpoint's)", DTYPES)
-    device: str = _option("cpu", "cpu or cuda[:N]")
+    device: str = _option("auto", "auto (CUDA when torch finds a GPU, else CPU), cpu or cuda[:N]")
     seed: int = _option(0, "seed of the engine's random state")
-    max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's)")
+    max_model_len: int | None = _option(
+        None, "longest sequence, prompt and output (default: the model's)", human_readable=True
+    )
     max_num_seqs: int = _option(256, "most requests in one step")
-    max_num_batched_tokens: int = _option(8192, "most tokens in one step")
+    max_num_batched_tokens: int = _option(8192, "most tokens in one step", human_readable=True)
     block_size: int = _option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _option(
         None, "KV cache size in blocks (default: from --gpu-memory-utilization, or --cpu-kv-cache-bytes on CPU)"
     )
     gpu_memory_utilization: float = _option(0.9, "fraction of the GPU's memory the engine may use")
-    cpu_kv_cache_bytes: int = _option(1 << 30, "KV cache size in bytes on CPU")
+    cpu_kv_cache_bytes: int = _option(1 << 30, "KV cache size in bytes on CPU", human_readable=True)
     enable_prefix_caching: bool = _option(True, "reuse the KV of prompt prefixes other requests computed")
     enable_chunked_prefill: bool = _option(True, "split long prompts over several steps")
     max_logprobs: int = _option(20, "most logprobs (and prompt_logprobs) a request may ask for")
@@ -75,6 +88,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        # Resolved once, here, so the config every process receives names the device it runs on.
+        object.__setattr__(self, "device", resolve_device(self.device))
         for f in fields(self):
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:

@@ -2,8 +2,9 @@
 
 The flags are derived from the fields (name, type, default, and `help`/`choices` in their metadata), so the CLI,
 the server, the demo and the benchmarks offer every engine option under one spelling each: `--max-num-seqs` for
-`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field. Other spellings (today's, and
-vLLM's later) are one line each in `FLAG_ALIASES`.
+`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field, and vLLM's `4k`/`4K` for counts
+marked `human_readable`. Other spellings are one line each in `FLAG_ALIASES`; `FlagParser` takes vLLM's underscored
+spelling (`--max_model_len`) of every flag.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from rlserve.config import EngineConfig, WeightTransferConfig
@@ -68,6 +71,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str,
         help_text = f.metadata["help"]
         if "default:" not in help_text:  # some helps say what the default means better than its value would
             help_text += f" (default: {_shown(defaults.get(f.name, f.default))})"
+        if f.metadata.get("human_readable"):
+            help_text += "; vLLM's forms too: 4k = 4000, 4K = 4096"
         options: dict[str, Any] = dict(
             dest=f.name,
             default=defaults[f.name] if f.name in defaults else argparse.SUPPRESS,
@@ -93,6 +98,8 @@ def _value_options(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     choices = f.metadata.get("choices")
     if value_type is bool:
         return dict(action=argparse.BooleanOptionalAction)
+    if value_type is int and f.metadata.get("human_readable"):
+        return dict(type=human_readable_int)
     if value_type in (int, float):
         return dict(type=value_type)
     if value_type is str or typing.get_origin(value_type) is typing.Literal:
@@ -100,6 +107,62 @@ def _value_options(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(value_type):
         return dict(type=_json_parser(value_type), metavar="JSON")
     raise TypeError(f"EngineConfig.{f.name}: no command-line form for type {hint!r}; teach engine.args one")
+
+
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM's flags take it: `4096`, `4k` (4000), `4K` (4096), `25.6k` (25600); lowercase suffixes
+    are powers of 1000, uppercase ones powers of 1024 (which take no decimals)."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text}: no decimals with {suffix} (1024s); did you mean {text.lower()}?")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+human_readable_int.__name__ = "integer (e.g. 4096, 4k, 4K)"  # argparse names the type in its error message
+
+
+def dash_underscored_flags(argv: Sequence[str], known: Collection[str]) -> list[str]:
+    """vLLM's underscore spellings (`--max_model_len 4k`, `--max_model_len=4k`, `--no_enable_prefix_caching`): each
+    `--a_b` whose dashed form is a known flag is rewritten to it. Arguments after `--` are values, left alone."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        flag, eq, value = arg.partition("=")
+        dashed = flag.replace("_", "-")
+        out.append(dashed + eq + value if flag.startswith("--") and dashed != flag and dashed in known else arg)
+    return out
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ArgumentParser (and, through add_subparsers, its subcommands') that takes vLLM's underscore spellings of
+    every flag, and runs `checks` on what it parsed: a check's ValueError is a usage error (the message, exit 2)."""
+
+    def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (), **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.checks = list(checks)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = dash_underscored_flags(sys.argv[1:] if args is None else args, self._option_string_actions)
+        parsed, extras = super().parse_known_args(argv, namespace)
+        for check in self.checks:
+            try:
+                check(parsed)
+            except ValueError as e:
+                self.error(str(e))
+        return parsed, extras
 
 
 def _without_none(hint: Any) -> Any:

@@ -119,7 +119,7 @@ class AsyncLLM(EngineFrontEnd):
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
-            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children])])
+            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)])
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):
@@ -171,9 +171,10 @@ class AsyncLLM(EngineFrontEnd):
 
     # ---- sleep / wake ----
 
-    async def sleep(self, level: int = 1) -> None:
-        """Free device memory for a colocated trainer (see EngineCore.sleep); requests wait until wake_up."""
-        await self._call("sleep", level)
+    async def sleep(self, level: int = 1, mode: str = "keep") -> None:
+        """Free device memory for a colocated trainer (see EngineCore.sleep); requests wait until wake_up.
+        mode (vLLM's): "keep" freezes the requests in flight, "abort" ends them first."""
+        await self._call("sleep", level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call("wake_up", tags)
@@ -205,6 +206,13 @@ class AsyncLLM(EngineFrontEnd):
     async def weight_checksums(self) -> dict[str, str]:
         return await self._call("checksums")
 
+    async def load_weights_from_dir(self, weight_dir: str) -> int:
+        """Load the safetensors checkpoint in `weight_dir` in place (see EngineCore.load_weights_from_dir)."""
+        return await self._call("load_weights_from_dir", weight_dir)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self._call("shutdown_weight_transfer_engine")
+
     async def load_weights(self, weights, reset_prefix_cache: bool = True) -> int:
         return await self._call("load_weights", *load_weights_args(self.client, weights, reset_prefix_cache))
 
@@ -215,8 +223,8 @@ class AsyncLLM(EngineFrontEnd):
         call = self._call("collective_rpc", *collective_rpc_args(self.client, method, args, kwargs))
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
-    async def reset_prefix_cache(self) -> None:
-        await self._call("reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        await self._call("reset_prefix_cache", reset_running_requests)
 
     async def check_health(self) -> None:
         """vLLM's: raise EngineDeadError if the engine core is gone (its process died, or a step failed)."""

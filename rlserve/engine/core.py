@@ -81,7 +81,9 @@ class EngineCore:
 
     # ---- requests ----
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -96,6 +98,7 @@ class EngineCore:
             self.max_model_len,
             generator,
             self.config.stream_interval,
+            cache_salt=cache_salt,
         )
         request.queued_ts = time.monotonic()
         self.requests[request_id] = request
@@ -280,8 +283,13 @@ class EngineCore:
         state = self._pause_before_sleep if self.asleep else self.scheduler.pause_state
         return state is not PauseState.UNPAUSED
 
-    def reset_prefix_cache(self) -> None:
-        self.kv_cache.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Forget every cached prefix; `reset_running_requests` (vLLM's) also preempts the running requests, whose
+        KV then recomputes, rather than letting them keep it."""
+        if reset_running_requests:
+            self.clear_cache()
+        else:
+            self.kv_cache.reset_prefix_cache()
 
     # ---- sleep / wake (vLLM's names): a colocated trainer takes the device memory between rollouts ----
 
@@ -408,6 +416,28 @@ class EngineCore:
             self.kv_cache.reset_prefix_cache()
         return written
 
+    def load_weights_from_dir(self, weight_dir: str) -> int:
+        """prime-rl's checkpoint-directory update: the safetensors files the trainer wrote to `weight_dir` (which
+        the API server has checked against the operator's allowed directories), read here rather than shipped
+        through the front end, and written through `load_weights_direct`: every tensor is checked before any is
+        written, so a refused directory changes nothing."""
+        from rlserve.model.loader import iterate_checkpoint
+
+        try:
+            weights = list(iterate_checkpoint(weight_dir))
+        except Exception as e:  # no safetensors there, a truncated file, ...
+            raise ValueError(f"weight_dir: cannot read safetensors weights from {weight_dir!r}: {e}") from e
+        try:
+            return self.load_weights_direct(weights)
+        except ValueError as e:  # the model's check names the tensor; the client sent the directory
+            raise ValueError(f"weight_dir: {e}") from e
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """vLLM's: close the trainer's transfer group (a later init_weight_transfer_engine opens a new one)."""
+        if self.weight_update_active:
+            raise RuntimeError("shutdown_weight_transfer_engine: a weight update is in progress; finish it first")
+        self._close_weight_transfer()
+
     def get_weight_version(self) -> str:
         return self.weight_version
 
@@ -419,6 +449,9 @@ class EngineCore:
         return weight_checksums(self.runner.model.checkpoint_weights())
 
     def shutdown(self) -> None:
+        self._close_weight_transfer()
+
+    def _close_weight_transfer(self) -> None:
         if self.weight_transfer is not None:
             self.weight_transfer.shutdown()
             self.weight_transfer = None

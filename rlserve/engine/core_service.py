@@ -137,7 +137,7 @@ class EngineCoreService:
         for request_id, params in zip(message.request_ids, message.params, strict=True):
             self.owners[request_id] = client
             try:
-                self.core.add_request(request_id, prompt, params)
+                self.core.add_request(request_id, prompt, params, message.cache_salt)
             except ValueError:  # the front end validated it; a duplicate id or a race with sleep ends it here
                 logger.exception("refused request %s", request_id)
                 self._route(self._refused([request_id]))
@@ -220,6 +220,15 @@ class EngineCoreService:
             weights = unpack_tensors(weights)
         return self.core.load_weights_direct(weights, reset_prefix_cache)
 
+    def sleep(self, client: ClientId, call: UtilityCall, level: int, mode: str = "keep") -> None:
+        """vLLM's sleep modes: "abort" ends the requests in flight first (their streams end before sleep returns);
+        "keep" freezes them, and they recompute their KV after wake_up."""
+        if mode not in SLEEP_MODES:
+            raise ValueError(f"mode: sleep mode must be one of {list(SLEEP_MODES)}, got {mode!r}")
+        if mode == "abort":
+            self._route(self.core.abort_requests(list(self.core.requests)))
+        self.core.sleep(level)
+
     def abort_requests(self, client: ClientId, call: UtilityCall, request_ids: list[str]) -> None:
         """An abort whose outputs (the tokens held back for final-only requests) reach the caller before it
         returns."""
@@ -274,6 +283,9 @@ def _core_method(name: str) -> Callable:
     return call
 
 
+# vLLM's "wait" (sleep once the requests in flight finish) is not offered: a sleeping core restores the pause
+# state it fell asleep in, so it would wake paused.
+SLEEP_MODES = ("abort", "keep")
 _DEFERRED = object()  # the result is sent later (a pause(mode="wait"))
 _BACKGROUND_METHODS = frozenset({"init_weight_transfer_engine"})
 _UTILITY_METHODS: dict[str, Callable] = {
@@ -281,7 +293,6 @@ _UTILITY_METHODS: dict[str, Callable] = {
         name: _core_method(name)
         for name in (
             "is_paused",
-            "sleep",
             "wake_up",
             "is_sleeping",
             "init_weight_transfer_engine",
@@ -291,6 +302,8 @@ _UTILITY_METHODS: dict[str, Callable] = {
             "get_weight_version",
             "checksums",
             "reset_prefix_cache",
+            "load_weights_from_dir",
+            "shutdown_weight_transfer_engine",
         )
     },
     "pause": EngineCoreService.pause,
@@ -298,6 +311,7 @@ _UTILITY_METHODS: dict[str, Callable] = {
     "collective_rpc": EngineCoreService.collective_rpc,
     "load_weights": EngineCoreService.load_weights,
     "abort_requests": EngineCoreService.abort_requests,
+    "sleep": EngineCoreService.sleep,
     "update_weight_version": EngineCoreService.update_weight_version,
     "engine_info": EngineCoreService.engine_info,
     "stats": EngineCoreService.stats,

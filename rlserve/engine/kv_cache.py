@@ -60,7 +60,9 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # The salt is the first block's parent: requests with different salts share no block (every later hash
+            # chains from the first).
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
         return hashes
 

@@ -31,6 +31,15 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """vLLM's `cache_salt` of a dict prompt: a prefix-cache namespace (requests with different salts never share
+    cached blocks), e.g. one per policy version."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+    return salt
+
+
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
@@ -53,6 +62,7 @@ class ValidatedPrompt:
     text: str | None
     token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class EngineFrontEnd:
@@ -89,7 +99,7 @@ class EngineFrontEnd:
         the one check of a request before it is queued. A ValueError names the offending field."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self.limits.check(token_ids, params)
-        return ValidatedPrompt(text, token_ids, params)
+        return ValidatedPrompt(text, token_ids, params, prompt_cache_salt(prompt))
 
     @property
     def engine_core(self) -> EngineCore:
@@ -143,7 +153,8 @@ class LLM(EngineFrontEnd):
                 order[request_id] = len(order)
                 params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
                 children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
-                requests.append(AddRequest.of([c for c, _ in children], prompt.token_ids, [p for _, p in children]))
+                child_ids = [c for c, _ in children]
+                requests.append(AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt))
             self.client.add(requests)
             return self._run_to_completion(order, use_tqdm)
         except BaseException:

@@ -56,10 +56,17 @@ class AddRequest(msgspec.Struct, array_like=True):
     request_ids: list[str]
     prompt_token_ids: bytes  # int32
     params: list[SamplingParams]
+    cache_salt: str | None = None  # the prompt's prefix-cache namespace (vLLM's)
 
     @classmethod
-    def of(cls, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams]) -> AddRequest:
-        return cls(request_ids, encode_token_ids(prompt_token_ids), params)
+    def of(
+        cls,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        cache_salt: str | None = None,
+    ) -> AddRequest:
+        return cls(request_ids, encode_token_ids(prompt_token_ids), params, cache_salt)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

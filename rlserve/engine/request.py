@@ -35,6 +35,7 @@ class Request:
     max_model_len: int
     generator: torch.Generator | None = None
     stream_interval: int = 1
+    cache_salt: str | None = None  # prefix-cache namespace: salted into the hash of the first block
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt and output tokens; the KV cache holds the first num_computed_tokens of them.
     all_token_ids: list[int] = field(default_factory=list)

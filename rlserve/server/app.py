@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -25,6 +25,16 @@ from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
 from rlserve.engine.llm import PromptType, ValidatedPrompt
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
+from rlserve.server.defaults import ServingDefaults
+from rlserve.server.generate_protocol import (
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamResponse,
+    sampling_params_dict,
+    sampling_params_from_dict,
+    tokens_logprobs,
+)
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (
     APIError,
@@ -51,6 +61,7 @@ from rlserve.server.protocol import (
     prompt_logprobs,
 )
 from rlserve.server.rl_routes import build_rl_router
+from rlserve.server.vllm_routes import build_vllm_router
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +91,18 @@ def _sse(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def make_auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that demands `Authorization: Bearer <api_key>` (no check when the key is None)."""
+def make_auth(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that demands `Authorization: Bearer <key>` with any of `api_keys` (no check when there are none)."""
+    keys = [key.encode() for key in api_keys]
 
     async def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        sent = token.strip().encode()
+        # Every key compared, in constant time each: how long the check takes says nothing about which key is close.
+        matches = [secrets.compare_digest(sent, key) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
     return check_api_key
@@ -138,19 +153,20 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Non
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses and chunks."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: Sequence[str], defaults: ServingDefaults) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]  # responses name the first, as vLLM's
+        self.defaults = defaults
         # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
         self.active: dict[str, list[str]] = {}
 
     # ---- shared ----
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist (this server serves `{self.model_name}`).", "model"
-            )
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
+            raise APIError(404, f"The model `{model}` does not exist (this server serves {served}).", "model")
 
     def _validate(
         self, prompts: list[PromptType], params: SamplingParams, rename: Mapping[str, str]
@@ -275,13 +291,13 @@ class OpenAIServing:
         self._check_model(req.model)
         rename = {"prompt_token_ids": "prompt"}
         try:
-            params = req.sampling_params()
+            params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
         engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in req.prompts()]
         prompts = self._validate(engine_prompts, params, rename)
         request_id = new_id("cmpl")
-        fmt = TokenFormatter(req.return_tokens_as_token_ids)
+        fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         n = params.n
 
         if req.stream:
@@ -349,6 +365,7 @@ class OpenAIServing:
                 [m.template_dict() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
                 tokenize=False,
+                chat_template=self.defaults.chat_template,
                 **(req.chat_template_kwargs or {}),
             )
         except APIError:
@@ -364,12 +381,12 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         try:
-            params = req.sampling_params()
+            params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
         prompts = self._validate([self._chat_prompt(req)], params, rename)
         request_id = new_id("chatcmpl")
-        fmt = TokenFormatter(req.return_tokens_as_token_ids)
+        fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         top_k = params.logprobs or 0
 
         def logprobs(s: CompletionOutput) -> Any:
@@ -444,6 +461,109 @@ class OpenAIServing:
         )
         return Response(response.model_dump_json(), media_type="application/json")
 
+    # ---- /inference/v1/generate (vLLM's token-in/token-out route) ----
+
+    async def generate_tokens(self, req: GenerateRequest, raw: Request) -> Response:
+        """Token ids in, token ids (and logprobs with integer token ids) out. The client's `request_id` names the
+        request for /abort_requests. `X-Session-ID` is vLLM's routing affinity across engines: with one engine
+        every request of a session already reaches the same prefix cache, so there is nothing to route."""
+        self._check_model(req.model)
+        params = sampling_params_from_dict(req.sampling_params, req.stream)
+        rename = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
+        rename |= {"prompt": "token_ids", "prompt_token_ids": "token_ids"}
+        prompt = {"prompt_token_ids": req.token_ids, "cache_salt": req.cache_salt}
+        prompts = self._validate([prompt], params, rename)
+        request_id = req.request_id or new_id("generate")
+        if request_id in self.active:
+            raise APIError(409, f"request_id: {request_id!r} is already in flight", "request_id")
+
+        def choice(s: CompletionOutput) -> GenerateChoice:
+            return GenerateChoice(
+                index=s.index,
+                token_ids=s.token_ids,
+                logprobs=None if s.logprobs is None else tokens_logprobs(s),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                weight_versions=s.weight_versions,
+            )
+
+        if req.stream:
+
+            def chunk(
+                index: int, out: RequestOutput, s: CompletionOutput, first: bool, _: PositionLogprobsList | None
+            ) -> BaseModel:
+                prompt_ids = out.prompt_token_ids if first and req.return_token_ids else None
+                return GenerateStreamResponse(request_id=request_id, choices=[choice(s)], prompt_token_ids=prompt_ids)
+
+            def usage_chunk(usage: UsageInfo) -> BaseModel:
+                return GenerateStreamResponse(request_id=request_id, choices=[], usage=usage)
+
+            body = self._stream(
+                self._generate(request_id, prompts), params.n, req.include_usage, chunk, usage_chunk, []
+            )
+            return StreamingResponse(body, media_type="text/event-stream")
+
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts))
+        if finals is None:
+            return Response(status_code=499)
+        (out,) = finals
+        usage = _Usage()
+        usage.add(0, out)
+        response = GenerateResponse(
+            request_id=request_id,
+            model=self.model_name,
+            choices=[choice(s) for s in out.outputs],
+            usage=usage.info(),
+            prompt_logprobs=prompt_logprobs(out.prompt_logprobs, TokenFormatter(False)),
+            prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
+        )
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    # ---- /v1/completions/render, /v1/chat/completions/render ----
+
+    def _render(
+        self,
+        request_id: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt: PromptType,
+        rename: Mapping[str, str],
+    ) -> dict:
+        """One vLLM GenerateRequest: what /inference/v1/generate would be sent for this prompt, checked as the
+        generating route checks it."""
+        try:
+            params = req.sampling_params()
+        except ValueError as e:
+            raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
+        (checked,) = self._validate([prompt], params, rename)
+        return {
+            "request_id": request_id,
+            "token_ids": checked.token_ids,
+            "sampling_params": sampling_params_dict(checked.params),
+            "model": req.model,
+            "stream": req.stream,
+            "return_token_ids": req.return_token_ids,
+        }
+
+    def render_completion(self, req: CompletionRequest) -> list[dict]:
+        self._check_model(req.model)
+        prompts = req.prompts()
+        base = new_id("cmpl")
+        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+        rename = {"prompt_token_ids": "prompt"}
+        return [
+            self._render(rid, req, p if isinstance(p, str) else {"prompt_token_ids": p}, rename)
+            for rid, p in zip(ids, prompts, strict=True)
+        ]
+
+    def render_chat(self, req: ChatCompletionRequest) -> dict:
+        """vLLM's GenerateRequest, plus `prompt`: the text the chat template made (rlserve's)."""
+        self._check_model(req.model)
+        prompt = self._chat_prompt(req)
+        rename = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
+        if req.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": prompt["prompt"]}
+
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
@@ -473,19 +593,34 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_json(APIError(500, f"internal error: {exc!r}"))
 
 
-def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served_model_name: str) -> FastAPI:
-    if enable_rl_api and not api_key:
+def build_app(
+    engine: AsyncLLM,
+    api_key: str | Sequence[str] | None,
+    enable_rl_api: bool,
+    served_model_name: str | Sequence[str],
+    *,
+    rl_api_keyed: bool = True,
+    defaults: ServingDefaults | None = None,
+    allowed_weight_dirs: Collection[str] = (),
+) -> FastAPI:
+    """`api_key`: the keys /v1 (and, if `rl_api_keyed`, the RL routes) accept, any of them; `served_model_name`: the
+    names requests may send, the first in responses. `rl_api_keyed=False` is vLLM dev mode's keyless RL routes.
+    `allowed_weight_dirs`: where /update_weights {"weight_dir"} may load checkpoints from."""
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if enable_rl_api and rl_api_keyed and not api_keys:
         raise ValueError(
             "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
         )
     app = FastAPI(title="rlserve", version=rlserve.__version__)
-    metrics = ServerMetrics(engine, served_model_name)
-    serving = OpenAIServing(engine, served_model_name)
-    auth = make_auth(api_key)
+    metrics = ServerMetrics(engine, model_names[0])
+    serving = OpenAIServing(engine, model_names, defaults or ServingDefaults())
+    auth = make_auth(api_keys)
     _install_error_handlers(app)
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)}
 
     @app.get("/health")
+    @app.get("/health/", include_in_schema=False)  # TRL's spelling: answered here, not with a redirect
     async def health() -> Response:
         # A failed engine step leaves the engine refusing work: say so, so orchestrators restart it.
         return Response(status_code=503 if engine.error is not None else 200)
@@ -501,8 +636,11 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
 
     @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)
     async def models() -> ModelList:
-        card = ModelCard(id=served_model_name, root=engine.model_name, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in model_names
+            ]
+        )
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], responses=errors)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -512,6 +650,9 @@ def build_app(engine: AsyncLLM, api_key: str | None, enable_rl_api: bool, served
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
+    app.include_router(build_vllm_router(serving, auth), responses=errors)
     if enable_rl_api:
-        app.include_router(build_rl_router(engine, serving.active, auth, metrics), responses=errors)
+        rl_auth = auth if rl_api_keyed else make_auth([])
+        rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs)
+        app.include_router(rl_router, responses=errors)
     return app

@@ -10,6 +10,7 @@ Bodies are read by hand rather than by pydantic so that malformed JSON is a 400,
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from typing import Annotated, Any, TypeVar
@@ -17,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Query, Request
 
 from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.core_service import SLEEP_MODES
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -59,13 +61,28 @@ async def _engine_call(call: Awaitable[T], param: str | None = None, fields: Col
         raise APIError(409, str(e), param) from e
 
 
+def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
+    """The real path of `weight_dir` if it lies under a directory the operator allowed (--allowed-weight-dirs);
+    links are resolved first, so none leads out of them."""
+    real = os.path.realpath(weight_dir)
+    roots = [os.path.realpath(a) for a in allowed]
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        why = "no directory is allowed (--allowed-weight-dirs)" if not roots else f"allowed: {roots}"
+        raise APIError(403, f"weight_dir: {weight_dir!r} is not under an allowed directory; {why}", "weight_dir")
+    if not os.path.isdir(real):
+        raise APIError(400, f"weight_dir: {weight_dir!r} is not a directory", "weight_dir")
+    return real
+
+
 def build_rl_router(
     engine: AsyncLLM,
     active_requests: Mapping[str, list[str]],
     auth: Callable[..., Awaitable[None]],
     metrics: ServerMetrics,
+    allowed_weight_dirs: Collection[str] = (),
 ) -> APIRouter:
-    """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests."""
+    """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests.
+    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from."""
 
     async def timed(request: Request) -> AsyncIterator[None]:
         start = time.perf_counter()
@@ -99,9 +116,12 @@ def build_rl_router(
         return {"is_paused": await engine.is_paused()}
 
     @router.post("/sleep")
-    async def sleep(level: int = 1) -> dict[str, str]:
-        await _engine_call(engine.sleep(level), "query.level")
-        return {"status": "sleeping"}
+    async def sleep(level: int = 1, mode: str = "abort") -> dict[str, Any]:
+        # vLLM's default mode: the requests in flight end (finish_reason "abort") before the engine sleeps.
+        if mode not in SLEEP_MODES:
+            raise APIError(400, f"query.mode: must be one of {list(SLEEP_MODES)}, got {mode!r}", "query.mode")
+        await _engine_call(engine.sleep(level, mode), "query.level")
+        return {"status": "sleeping", "level": level}
 
     @router.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, str]:
@@ -132,9 +152,28 @@ def build_rl_router(
 
     @router.post("/update_weights")
     async def update_weights(request: Request) -> dict[str, str]:
-        update_info = _field(await _json_body(request, required=True), "update_info", dict, required=True)
-        await _engine_call(engine.update_weights({"update_info": update_info}), "update_info")
+        """vLLM's `{"update_info": {...}}` or a list of them, applied in order (an update refused part-way leaves
+        the earlier ones applied, as in vLLM); or prime-rl's `{"weight_dir": PATH}`, a checkpoint directory the
+        trainer wrote, loaded in place (checked whole first, so a refused one changes nothing)."""
+        body = await _json_body(request, required=True)
+        if "weight_dir" in body:
+            if "update_info" in body:
+                raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
+            weight_dir = _allowed_weight_dir(_field(body, "weight_dir", str, required=True), allowed_weight_dirs)
+            await _engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
+            return {"message": "Weights updated"}
+        update_info = _field(body, "update_info", (dict, list), required=True)
+        updates = update_info if isinstance(update_info, list) else [update_info]
+        if not updates or not all(isinstance(u, dict) for u in updates):
+            raise APIError(400, "update_info: expected an object or a non-empty list of objects", "update_info")
+        for update in updates:
+            await _engine_call(engine.update_weights({"update_info": update}), "update_info")
         return {"message": "Weights updated"}
+
+    @router.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine() -> dict[str, str]:
+        await _engine_call(engine.shutdown_weight_transfer_engine())
+        return {"message": "Weight transfer shut down"}
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> dict[str, str]:
@@ -184,9 +223,12 @@ def build_rl_router(
         return {"status": "aborted", "aborted": len(ids)}
 
     @router.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict[str, str]:
-        await _engine_call(engine.reset_prefix_cache())
-        return {"status": "reset"}
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> dict[str, bool]:
+        """vLLM's: `success` is always true here, since a reset never waits on blocks in use (they stay with
+        their requests and are not shared again). `reset_external`: rlserve has no external (connector) cache,
+        so there is nothing more to reset."""
+        await _engine_call(engine.reset_prefix_cache(reset_running_requests))
+        return {"success": True}
 
     @router.post("/weight_checker")
     async def weight_checker(request: Request) -> dict[str, Any]:

@@ -22,11 +22,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.args import engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_core
 from rlserve.log import configure_logging
-from rlserve.server.app import API_KEY_ENV, build_app
+from rlserve.server.app import build_app
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
+from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ logger = logging.getLogger(__name__)
 # orchestrator polling /health to see why.
 DEAD_ENGINE_GRACE_S = 1.0
 EXIT_ENGINE_DEAD = 1
-
-
-def _api_key(args: argparse.Namespace) -> str | None:
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -57,8 +54,17 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
-    app = build_app(engine, _api_key(args), args.enable_rl_api, args.served_model_name or args.model)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    app = build_app(
+        engine,
+        api_keys(args),
+        args.enable_rl_api,
+        args.served_model_name or [args.model],
+        rl_api_keyed=args.rl_api_auth == "key",
+        defaults=args.serving_defaults,
+        allowed_weight_dirs=args.allowed_weight_dirs,
+    )
+    log_level = args.uvicorn_log_level or args.log_level
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full
     # collection walked it: 0.3-0.4 s stalls of the event loop on an H200, inside pauses and weight syncs. Frozen,
@@ -159,15 +165,30 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
             signal.signal(sig, handler)
 
 
+def _warn_at_start(args: argparse.Namespace) -> None:
+    """What the flags turned on that an operator must not miss (the checks in serve_flags have run)."""
+    if args.enable_rl_api and args.rl_api_auth == "none":
+        why = f"{DEV_MODE_ENV}=1" if os.environ.get(DEV_MODE_ENV) == "1" else "--rl-api-auth none"
+        logger.warning(
+            "RL routes (pause, weight updates, sleep) are served WITHOUT an API key on %s (%s): anyone who can reach "
+            "it can stop generation and overwrite the model",
+            args.host,
+            why,
+        )
+    defaults = args.serving_defaults
+    if defaults.sampling:
+        logger.warning("request defaults from --generation-config %s: %s", args.generation_config, defaults.sampling)
+    if defaults.unsupported:
+        logger.warning(
+            "--generation-config %s: rlserve does not support %s yet; requests are sampled without them",
+            args.generation_config,
+            defaults.unsupported,
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    if args.enable_rl_api and not _api_key(args):
-        print(
-            "rlserve serve: --enable-rl-api needs an API key (--api-key KEY or $RLSERVE_API_KEY): the RL routes pause "
-            "generation and overwrite weights, so they are never served unauthenticated",
-            file=sys.stderr,
-        )
-        return 2
+    _warn_at_start(args)
     if args.api_server_count < 1:
         print("rlserve serve: --api-server-count must be >= 1", file=sys.stderr)
         return 2
@@ -183,19 +204,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server, with optional RL control routes")
-    serve.add_argument("model", help="Hugging Face model directory")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help=f"required on /v1 and RL routes (default: ${API_KEY_ENV})")
-    serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument(
-        "--api-server-count",
-        type=int,
-        default=1,
-        help="API server processes sharing the port, each a client of the one engine core (vLLM's option)",
-    )
-    add_engine_arguments(serve)
-    serve.set_defaults(func=cmd_serve)
+    add_serve_parser(subparsers).set_defaults(func=cmd_serve)

@@ -11,8 +11,9 @@ from rlserve.sampling_params import SamplingParams
 BLOCK = 4
 
 
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    request = Request(request_id, list(tokens), SamplingParams(max_tokens=8), frozenset(), max_model_len=1024)
+def make_request(request_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=8)
+    request = Request(request_id, list(tokens), params, frozenset(), max_model_len=1024, cache_salt=cache_salt)
     request.all_token_ids = list(tokens)
     return request
 
@@ -61,6 +62,19 @@ def test_hit_takes_a_freed_cached_block_and_eviction_forgets_it() -> None:
     compute(cache, other)
     cache.free(other)
     assert cache.match_prefix(make_request("d", list(range(9)))) == 0
+
+
+def test_a_cache_salt_is_a_namespace() -> None:
+    """Requests share cached blocks only with requests of the same salt (none being a namespace of its own)."""
+    cache = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    tokens = list(range(9))
+    for salt in ("policy-1", None):
+        first = make_request(f"first-{salt}", tokens, salt)
+        compute(cache, first)
+        cache.free(first)
+    assert cache.match_prefix(make_request("same", tokens, "policy-1")) == 2 * BLOCK
+    assert cache.match_prefix(make_request("unsalted", tokens)) == 2 * BLOCK
+    assert cache.match_prefix(make_request("other", tokens, "policy-2")) == 0
 
 
 @pytest.mark.parametrize("in_use", [False, True])

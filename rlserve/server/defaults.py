@@ -1,0 +1,87 @@
+"""Server-wide request defaults: what `--generation-config`, `--chat-template` and `--return-tokens-as-token-ids` set,
+applied to every request that does not set the field itself (vLLM's semantics for each)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from rlserve.sampling_params import SamplingParams
+
+# The generation_config.json fields vLLM applies as request defaults (its ModelConfig.get_diff_sampling_param), each
+# to the SamplingParams field it sets, or None where rlserve has no such sampling option yet: those are named in a
+# start-up warning rather than dropped unnoticed.
+GENERATION_CONFIG_FIELDS: dict[str, str | None] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "skip_special_tokens": "skip_special_tokens",
+    "max_new_tokens": "max_tokens",
+    "repetition_penalty": None,
+    "presence_penalty": None,
+    "frequency_penalty": None,
+}
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a directory
+JINJA_CHARS = "{}\n"  # vLLM's test: a --chat-template value holding one of these is a template, not a path
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    return_tokens_as_token_ids: bool = False
+    chat_template: str | None = None  # None: the tokenizer's
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default; max_tokens is a bound
+    unsupported: dict[str, Any] = field(default_factory=dict)  # generation-config fields rlserve cannot apply yet
+
+    def tokens_as_token_ids(self, req: BaseModel) -> bool:
+        """The request's return_tokens_as_token_ids when it sends one (true or false), else the server's."""
+        if "return_tokens_as_token_ids" in req.model_fields_set:
+            return bool(req.return_tokens_as_token_ids)
+        return self.return_tokens_as_token_ids
+
+    def apply(self, req: BaseModel, params: SamplingParams) -> SamplingParams:
+        """`params` (built from `req`) with the generation-config defaults of the fields `req` left unset."""
+        updates: dict[str, Any] = {}
+        for name, value in self.sampling.items():
+            if name == "max_tokens":
+                # vLLM: the config's max_new_tokens bounds every request, also those that ask for more.
+                updates[name] = value if params.max_tokens is None else min(params.max_tokens, value)
+            elif name not in req.model_fields_set or getattr(req, name) is None:
+                updates[name] = value
+        return dataclasses.replace(params, **updates) if updates else params
+
+
+def generation_defaults(model: str, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(SamplingParams defaults, fields rlserve cannot apply) from `--generation-config`: `vllm` none, `auto` the
+    model directory's generation_config.json (none when it has none, as vLLM), else that directory's."""
+    from transformers import GenerationConfig
+
+    if source == "vllm":
+        return {}, {}
+    try:
+        config = GenerationConfig.from_pretrained(model if source == "auto" else source, local_files_only=True)
+    except OSError as e:
+        if source == "auto":
+            return {}, {}
+        raise ValueError(f"--generation-config {source}: no readable generation_config.json there ({e})") from e
+    # What differs from transformers' GenerationConfig defaults (to_diff_dict), as vLLM reads the file.
+    values = {k: v for k, v in config.to_diff_dict().items() if k in GENERATION_CONFIG_FIELDS and v is not None}
+    sampling = {GENERATION_CONFIG_FIELDS[k]: v for k, v in values.items() if GENERATION_CONFIG_FIELDS[k] is not None}
+    unsupported = {k: v for k, v in values.items() if GENERATION_CONFIG_FIELDS[k] is None}
+    return sampling, unsupported
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a Jinja template (vLLM's rule)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in JINJA_CHARS):
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a Jinja template")

@@ -1,0 +1,258 @@
+"""`rlserve serve`'s flags: its own, the engine's (derived from EngineConfig), and vLLM's spellings of them, so that
+a framework's `vllm serve ...` command line runs with only the command changed.
+
+Every vLLM flag the RL frameworks pass is either implemented or refused by name with the reason (`UNSUPPORTED`,
+`QUANTIZATIONS`), never dropped. The checks run as the command line is parsed, so a bad combination is a usage
+error (exit 2) before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlserve.engine.args import FlagParser, add_engine_arguments
+from rlserve.server.app import API_KEY_ENV
+from rlserve.server.defaults import (
+    GENERATION_CONFIG_CHOICES,
+    ServingDefaults,
+    generation_defaults,
+    load_chat_template,
+)
+
+# vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+DEFAULT_HOST = "127.0.0.1"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+RL_API_AUTH = ("key", "none")
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A vLLM flag rlserve refuses: `accepted` is the one value (if any) that asks for what rlserve does anyway."""
+
+    flags: tuple[str, ...]
+    reason: str
+    takes_value: bool = False
+    accepted: str | None = None
+
+
+_ONE_GPU = "rlserve runs one engine on one device"
+_LORA = "LoRA adapters are not supported yet"
+_NOT_YET = "parallelism is not supported yet"
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported(("--tensor-parallel-size", "-tp"), f"{_ONE_GPU}: tensor {_NOT_YET}", True, "1"),
+    Unsupported(
+        ("--data-parallel-size", "-dp"),
+        f"{_ONE_GPU}: data {_NOT_YET} (start one server per replica; "
+        "rlserve.rl.client.AsyncRLServeGroup drives several)",
+        True,
+        "1",
+    ),
+    Unsupported(("--pipeline-parallel-size", "-pp"), f"{_ONE_GPU}: pipeline {_NOT_YET}", True, "1"),
+    Unsupported(("--enable-lora",), _LORA),
+    Unsupported(("--max-lora-rank",), _LORA, True),
+    Unsupported(("--max-loras",), _LORA, True),
+    Unsupported(("--enable-expert-parallel", "-ep"), "expert parallelism is not supported yet (no MoE models yet)"),
+    Unsupported(("--enable-return-routed-experts",), "routed experts are not returned yet (no MoE models yet)"),
+    Unsupported(("--tool-call-parser",), "tool-call parsing is not supported yet", True),
+    Unsupported(("--enable-auto-tool-choice",), "tool calls are not supported yet"),
+    Unsupported(("--reasoning-parser",), "reasoning parsing is not supported yet", True),
+)
+
+# --quantization values rlserve implements, as the engine fields each one sets. Any other is refused by name.
+QUANTIZATIONS: dict[str, dict[str, str]] = {
+    # PipelineRL's: bf16 weights and activations, the LM head (and so the logprobs) in fp32.
+    "bf16_last_layer_fp32": {"dtype": "bfloat16", "lm_head_dtype": "float32"},
+}
+
+
+class _Refuse(argparse.Action):
+    """A flag of `UNSUPPORTED`: a usage error naming it and the reason, unless given its accepted value."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, entry: Unsupported, **kwargs: Any) -> None:
+        self.entry = entry
+        nargs = None if entry.takes_value else 0
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=nargs, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        if self.entry.accepted is None or values != self.entry.accepted:
+            parser.error(f"{option}: {self.entry.reason}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve to anything
+        return False
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    return list(args.api_key or []) or [key for key in [os.environ.get(API_KEY_ENV)] if key]
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    positional, flag = args.model, args.model_flag
+    del args.model_flag
+    if positional is None and flag is None:
+        raise ValueError("a model is required: rlserve serve MODEL (or --model MODEL)")
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"two models given: MODEL {positional} and --model {flag}; give one")
+    args.model = positional if positional is not None else flag
+
+
+def _check_quantization(args: argparse.Namespace) -> None:
+    if args.quantization is None:
+        return
+    fields = QUANTIZATIONS.get(args.quantization)
+    if fields is None:
+        raise ValueError(
+            f"--quantization {args.quantization}: not implemented yet (rlserve implements: {', '.join(QUANTIZATIONS)})"
+        )
+    for name, value in fields.items():
+        given = getattr(args, name, value)  # engine flags not given are absent from the namespace
+        if given != value:
+            raise ValueError(f"--quantization {args.quantization} sets {name} {value}, but --{name} {given} was given")
+        setattr(args, name, value)
+
+
+def _check_rl_api_auth(args: argparse.Namespace) -> None:
+    """The RL routes' key: required unless --rl-api-auth none or vLLM's dev mode, which serve them without one (as
+    vLLM does) only on a loopback address or on a --host the command line names."""
+    dev_mode = os.environ.get(DEV_MODE_ENV) == "1"
+    args.enable_rl_api = args.enable_rl_api or dev_mode
+    if args.rl_api_auth is None:
+        args.rl_api_auth = "none" if dev_mode else "key"
+    host_given = args.host is not None
+    if not host_given:
+        args.host = DEFAULT_HOST
+    if args.rl_api_auth == "none":
+        if not args.enable_rl_api:
+            raise ValueError(f"--rl-api-auth none: the RL routes are off; add --enable-rl-api (or {DEV_MODE_ENV}=1)")
+        if not host_given and not is_loopback(args.host):
+            raise ValueError(
+                f"the RL routes are served without a key and {args.host} is not a loopback address: name the "
+                "address with --host to serve them there, or use --rl-api-auth key with --api-key"
+            )
+    elif args.enable_rl_api and not api_keys(args):
+        raise ValueError(
+            f"--enable-rl-api needs an API key (--api-key KEY or ${API_KEY_ENV}): the RL routes pause generation and "
+            "overwrite weights; --rl-api-auth none serves them without one, for vLLM dev-mode clients"
+        )
+
+
+def _check_defaults(args: argparse.Namespace) -> None:
+    sampling, unsupported = generation_defaults(args.model, args.generation_config)
+    args.serving_defaults = ServingDefaults(
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        chat_template=load_chat_template(args.chat_template),
+        sampling=sampling,
+        unsupported=unsupported,
+    )
+
+
+SERVE_CHECKS = (_check_model, _check_quantization, _check_rl_api_auth, _check_defaults)
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model", nargs="?", default=None, help="Hugging Face model directory (or --model)")
+    serve.add_argument("--model", dest="model_flag", default=None, help="the model directory (vLLM's spelling)")
+    serve.add_argument("--host", default=None, help=f"address to listen on (default: {DEFAULT_HOST})")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        help=f"keys accepted on /v1 and RL routes, any one (default: ${API_KEY_ENV})",
+    )
+    serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
+    serve.add_argument(
+        "--rl-api-auth",
+        choices=RL_API_AUTH,
+        default=None,
+        help=f"key: the RL routes need --api-key; none: served without a key, for vLLM dev-mode clients (only on "
+        f"loopback or an explicit --host; /v1 keeps its key). Default: key, or none when {DEV_MODE_ENV}=1 (which "
+        "also turns the RL routes on, as vLLM serves them only in dev mode)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients may send, any of them; responses name the first (default: MODEL)",
+    )
+    serve.add_argument(
+        "--allowed-weight-dirs",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update)',
+    )
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    serve.add_argument(
+        "--uvicorn-log-level", default=None, choices=(*LOG_LEVELS, "trace"), help="uvicorn's (default: --log-level)"
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port, each a client of the one engine core (vLLM's option)",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens as 'token_id:N', for requests that do not set return_tokens_as_token_ids",
+    )
+    serve.add_argument(
+        "--chat-template", default=None, help="a Jinja file, or an inline template, for chat (default: the tokenizer's)"
+    )
+    serve.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="{auto,vllm,DIR}",
+        help="defaults for requests that leave them unset (temperature, top_p, top_k, min_p, skip_special_tokens; "
+        "max_new_tokens bounds max_tokens): auto from MODEL's generation_config.json, DIR from that directory's, "
+        f"vllm none (default: auto, as vLLM). Choices: {', '.join(GENERATION_CONFIG_CHOICES)} or a directory",
+    )
+    serve.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help=f"{', '.join(QUANTIZATIONS)} (bf16, fp32 LM head); other methods (fp8, ...) are not implemented yet",
+    )
+    serve.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="accepted for vLLM's command lines: rlserve's /sleep and /wake_up always work",
+    )
+    serve.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines: rlserve runs no code from the model directory (its own model "
+        "classes only), so there is nothing to trust",
+    )
+    serve.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM's command lines: rlserve logs no periodic stats (read /metrics)",
+    )
+    unsupported = serve.add_argument_group("refused", "vLLM flags rlserve does not support yet: a usage error")
+    for entry in UNSUPPORTED:
+        help_text = f"refused: {entry.reason}" + (f" (except {entry.accepted})" if entry.accepted else "")
+        unsupported.add_argument(*entry.flags, action=_Refuse, entry=entry, help=help_text)
+    add_engine_arguments(serve)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> FlagParser:
+    serve = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server, with optional RL control routes", checks=SERVE_CHECKS
+    )
+    add_serve_arguments(serve)
+    return serve

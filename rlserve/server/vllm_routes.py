@@ -1,0 +1,141 @@
+"""vLLM's routes beyond the OpenAI ones that RL frameworks call: token-in/token-out generation
+(`/inference/v1/generate`), prompt rendering (`/v1/completions/render`, `/v1/chat/completions/render`), tokenization
+(`/tokenize`, `/detokenize`) and server facts (`/server_info`, `/load`).
+
+Authentication follows vLLM's `--api-key`: the `/v1` and `/inference` routes and `/server_info` (the engine's
+configuration) need the key; tokenization and the load figure, which reveal nothing about the engine, do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+import rlserve
+from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
+from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from rlserve.server.rl_routes import _json_body
+
+if TYPE_CHECKING:
+    from rlserve.server.app import OpenAIServing
+
+
+class TokenizeCompletionRequest(_StrictModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_StrictModel):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    # The chat template places BOS and role markers itself (vLLM's default for chat).
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None]]) -> APIRouter:
+    engine = serving.engine
+    tokenizer = engine.tokenizer
+    router = APIRouter(tags=["vllm"])
+    keyed = [Depends(auth)]
+
+    @router.post("/inference/v1/generate", dependencies=keyed)
+    async def generate(raw: Request) -> Response:
+        req = parse_body(await _json_body(raw, required=True), GenerateRequest)
+        return await serving.generate_tokens(req, raw)
+
+    @router.post("/v1/completions/render", dependencies=keyed)
+    async def render_completion(raw: Request) -> list[dict]:
+        return serving.render_completion(parse_body(await _json_body(raw, required=True), CompletionRequest))
+
+    @router.post("/v1/chat/completions/render", dependencies=keyed)
+    async def render_chat(raw: Request) -> dict:
+        return serving.render_chat(parse_body(await _json_body(raw, required=True), ChatCompletionRequest))
+
+    @router.post("/tokenize")
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        body = await _json_body(raw, required=True)
+        req: TokenizeCompletionRequest | TokenizeChatRequest
+        if "messages" in body:
+            req = parse_body(body, TokenizeChatRequest)
+            serving._check_model(req.model)
+            chat = ChatCompletionRequest(
+                messages=req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            text = serving._chat_prompt(chat)["prompt"]
+        else:
+            req = parse_body(body, TokenizeCompletionRequest)
+            serving._check_model(req.model)
+            text = req.prompt
+        tokens = tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
+        token_strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=token_strs
+        )
+
+    @router.post("/detokenize")
+    async def detokenize(raw: Request) -> dict[str, str]:
+        req = parse_body(await _json_body(raw, required=True), DetokenizeRequest)
+        serving._check_model(req.model)
+        vocab_size = engine.limits.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
+    @router.get("/server_info", dependencies=keyed)
+    async def server_info(config_format: str = "text") -> dict[str, Any]:
+        """vLLM's shape: the engine's configuration (its `vllm_config`), the VLLM_/RLSERVE_ environment (no keys),
+        and the system."""
+        if config_format not in ("text", "json"):
+            message = f"query.config_format: must be text or json, got {config_format!r}"
+            raise APIError(400, message, "query.config_format")
+        config = engine.config
+        as_json = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "RLSERVE_")) and "KEY" not in k.upper()}
+        system = {
+            "rlserve_version": rlserve.__version__,
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "platform": platform.platform(),
+            "cuda_available": torch.cuda.is_available(),
+        }
+        return {
+            "vllm_config": as_json if config_format == "json" else str(config),
+            "vllm_env": env,
+            "system_env": system,
+        }
+
+    @router.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the generation requests this API server has in flight (a load balancer's figure)."""
+        return {"server_load": len(serving.active)}
+
+    return router

@@ -1,0 +1,211 @@
+"""vLLM's routes that RL frameworks call, replayed against a real server: prime-rl's rollouts (`/inference/v1/generate`
+with `cache_salt` and `X-Session-ID`) and its checkpoint-directory update, SkyRL's tokenize/detokenize/render, vLLM's
+`/update_weights` with a list, and the facts routes. One server for the module (an engine start costs seconds)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import _serve
+from safetensors.torch import load_file
+from server_helpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Server
+
+from rlserve.rl.client import RLServeClient
+from rlserve.toy import make_model_dir
+from rlserve.weight_transfer import compare_checksums, weight_checksums
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def allowed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trainer-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def routes_server(
+    server_model_dir: Path, allowed_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server-logs") / "vllm-routes.log"
+    yield from _serve(
+        server_model_dir, log, "--enable-rl-api", "--allowed-weight-dirs", str(allowed_dir), api_key=API_KEY
+    )
+
+
+@pytest.fixture
+def http(routes_server: Server) -> Iterator[httpx.Client]:
+    with routes_server.client() as client:
+        yield client
+
+
+def assert_error(response: httpx.Response, status: int, param: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert param in error["message"]
+
+
+def tokenize(http: httpx.Client, text: str) -> list[int]:
+    response = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert response.status_code == 200, response.text
+    return response.json()["tokens"]
+
+
+def generate(http: httpx.Client, token_ids: list[int], salt: str | None, **params) -> dict:
+    body = {"token_ids": token_ids, "sampling_params": {**GREEDY, "logprobs": 1, **params}, "model": MODEL_NAME}
+    if salt is not None:
+        body["cache_salt"] = salt
+    response = http.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "rollout-7"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_prime_rl_generate_matches_completions_and_salts_separate_the_prefix_cache(http: httpx.Client) -> None:
+    prompt = tokenize(http, "a rollout prompt long enough to fill some cache blocks of sixteen tokens each " * 2)
+    assert len(prompt) > 2 * BLOCK_SIZE
+    first = generate(http, prompt, "policy-1")
+    (choice,) = first["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == GREEDY["max_tokens"]
+    content = choice["logprobs"]["content"]
+    assert [c["token_id"] for c in content] == choice["token_ids"]
+    assert all(c["top_logprobs"][0]["token_id"] == c["token_id"] for c in content)  # the sampled token first
+
+    completion = http.post(
+        "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": prompt, "logprobs": 1, "return_token_ids": True, **GREEDY},
+    ).json()["choices"][0]
+    assert completion["token_ids"] == choice["token_ids"]
+    assert completion["logprobs"]["token_logprobs"] == pytest.approx([c["logprob"] for c in content], abs=1e-5)
+
+    # Same salt: the prompt's full blocks come from the cache. Another salt, or none: nothing is shared.
+    cached = generate(http, prompt, "policy-1")["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 2 * BLOCK_SIZE
+    assert generate(http, prompt, "policy-2")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert generate(http, prompt, "policy-2")["choices"][0]["token_ids"] == choice["token_ids"]
+
+    with_prompt_logprobs = generate(http, prompt, "policy-3", prompt_logprobs=1)
+    assert len(with_prompt_logprobs["prompt_logprobs"]) == len(prompt)
+    assert with_prompt_logprobs["prompt_logprobs"][0] is None
+
+
+def test_generate_streams_and_refuses_bad_fields(http: httpx.Client) -> None:
+    prompt = tokenize(http, "stream me")
+    body = {"token_ids": prompt, "sampling_params": GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/inference/v1/generate", json=body) as response:
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+    assert tokens == generate(http, prompt, None, logprobs=None)["choices"][0]["token_ids"]
+    assert chunks[-1]["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+
+    url = "/inference/v1/generate"
+    good = {"token_ids": prompt, "sampling_params": GREEDY}
+    assert_error(http.post(url, json={**good, "token_ids": []}), 400, "token_ids")
+    assert_error(http.post(url, json={**good, "token_ids": [10**9]}), 400, "token_ids")
+    assert_error(
+        http.post(url, json={**good, "sampling_params": {"temperature": "hot"}}), 400, "sampling_params.temperature"
+    )
+    assert_error(http.post(url, json={**good, "sampling_params": {"top_p": 7}}), 400, "sampling_params.top_p")
+    assert_error(http.post(url, json={**good, "sampling_params": {"frobnicate": 1}}), 400, "sampling_params.frobnicate")
+    assert_error(
+        http.post(url, json={**good, "sampling_params": {"presence_penalty": 0.5}}),
+        400,
+        "sampling_params.presence_penalty",
+    )
+    assert_error(http.post(url, json={**good, "cache_salt": ""}), 400, "cache_salt")
+    assert_error(http.post(url, json={**good, "features": {}}), 400, "features")
+    assert_error(http.post(url, json={**good, "model": "other"}), 404, "model")
+    assert http.post(url, content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.post(f"{http.base_url}{url}", json=good).status_code == 401  # the API key guards it
+
+
+def test_skyrl_tokenize_detokenize_and_render(http: httpx.Client) -> None:
+    text = "hello tokens"
+    response = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert response["count"] == len(response["tokens"]) == len(response["token_strs"])
+    assert response["max_model_len"] > 0
+    assert http.post("/detokenize", json={"tokens": tokenize(http, text)}).json() == {"prompt": text}
+
+    messages = [{"role": "user", "content": "render me"}]
+    chat_tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    rendered = http.post(
+        "/v1/chat/completions/render", json={"model": MODEL_NAME, "messages": messages, "max_tokens": 5}
+    ).json()
+    assert rendered["token_ids"] == chat_tokens
+    assert rendered["prompt"] and rendered["sampling_params"]["max_tokens"] == 5
+    # The rendered request generates as it is.
+    replay = {k: rendered[k] for k in ("token_ids", "sampling_params", "model")}
+    assert len(http.post("/inference/v1/generate", json=replay).json()["choices"][0]["token_ids"]) <= 5
+
+    (completion,) = http.post("/v1/completions/render", json={"model": MODEL_NAME, "prompt": [5, 6, 7]}).json()
+    assert completion["token_ids"] == [5, 6, 7]
+
+    assert_error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+    assert_error(http.post("/tokenize", json={"prompt": 3}), 400, "prompt")
+    assert_error(http.post("/tokenize", json={"prompt": "x", "tools": []}), 400, "tools")
+    assert_error(http.post("/v1/chat/completions/render", json={"messages": "hi"}), 400, "messages")
+
+
+def test_facts_routes(routes_server: Server, http: httpx.Client) -> None:
+    for path in ("/health", "/health/"):
+        response = httpx.get(routes_server.url + path, follow_redirects=False)
+        assert response.status_code == 200, (path, response.status_code)
+    assert http.get("/load").json() == {"server_load": 0}
+    info = http.get("/server_info", params={"config_format": "json"}).json()
+    assert set(info) == {"vllm_config", "vllm_env", "system_env"} and isinstance(info["vllm_config"], dict)
+    assert isinstance(http.get("/server_info").json()["vllm_config"], str)
+    assert_error(http.get("/server_info", params={"config_format": "yaml"}), 400, "query.config_format")
+    assert httpx.get(routes_server.url + "/server_info").status_code == 401
+
+
+def test_rl_route_shapes(http: httpx.Client) -> None:
+    assert http.post("/reset_prefix_cache", params={"reset_running_requests": True}).json() == {"success": True}
+    assert http.post("/sleep", params={"level": 0, "mode": "keep"}).json() == {"status": "sleeping", "level": 0}
+    assert http.post("/wake_up").status_code == 200
+    assert_error(http.post("/sleep", params={"mode": "wait"}), 400, "query.mode")
+    assert http.post("/shutdown_weight_transfer_engine").json() == {"message": "Weight transfer shut down"}
+    # A list of updates is applied in order; here the first is refused (no transfer engine): 409, not a 5xx.
+    info = {"names": [], "dtype_names": [], "shapes": []}
+    response = http.post("/update_weights", json={"update_info": [info, info]})
+    assert response.status_code == 409 and response.json()["error"]["param"] == "update_info"
+    assert_error(http.post("/update_weights", json={"update_info": [info, 3]}), 400, "update_info")
+    assert_error(http.post("/update_weights", json={"update_info": []}), 400, "update_info")
+
+
+def test_prime_rl_checkpoint_directory_update(
+    routes_server: Server, http: httpx.Client, allowed_dir: Path, tmp_path: Path
+) -> None:
+    rl = RLServeClient(routes_server.url, api_key=API_KEY)
+    new_dir = make_model_dir(allowed_dir / "step-1", seed=11, initializer_range=0.2)
+    new_weights = load_file(new_dir / "model.safetensors")
+    prompt = tokenize(http, "after the checkpoint update")
+    before_tokens = generate(http, prompt, None)["choices"][0]["token_ids"]
+    before = rl.weight_checksums()
+    assert compare_checksums(before, weight_checksums(new_weights.items()))["mismatches"]
+
+    # Outside the allowed directories (also through a link out of them): refused, nothing changed.
+    outside = make_model_dir(tmp_path / "elsewhere", seed=12, initializer_range=0.2)
+    (allowed_dir / "link").symlink_to(outside)
+    for path in (outside, allowed_dir / "link", allowed_dir / ".." / outside.parent.name):
+        assert_error(http.post("/update_weights", json={"weight_dir": str(path)}), 403, "weight_dir")
+    empty = allowed_dir / "empty"
+    empty.mkdir()
+    assert_error(http.post("/update_weights", json={"weight_dir": str(empty)}), 400, "weight_dir")
+    assert_error(http.post("/update_weights", json={"weight_dir": 5}), 400, "weight_dir")
+    assert rl.weight_checksums() == before
+
+    # prime-rl's flow: pause keep, load the directory, resume.
+    try:
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        response = http.post("/update_weights", json={"weight_dir": str(new_dir)})
+        assert response.status_code == 200, response.text
+    finally:
+        assert http.post("/resume").status_code == 200
+    assert not compare_checksums(rl.weight_checksums(), weight_checksums(new_weights.items()))["mismatches"]
+    assert generate(http, prompt, None)["choices"][0]["token_ids"] != before_tokens
+    rl.close()
