@@ -7,6 +7,7 @@ so a weight update can never race a forward pass.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,9 @@ class EngineCore:
         self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
         self._pending_outputs: list[EngineCoreOutput] = []  # read back by _drain, returned by the next step
         self.num_generated_tokens = 0  # counters for metrics
+        self.num_prompt_tokens = 0  # of the requests that got their first token (vLLM counts them at prefill)
         self.num_steps = 0
+        self._now = 0.0  # time.monotonic() of the step (or abort) whose outputs are being made
 
     # ---- requests ----
 
@@ -97,11 +100,13 @@ class EngineCore:
             self.config.stream_interval,
             cache_salt=cache_salt,
         )
+        request.queued_ts = time.monotonic()
         self.requests[request_id] = request
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         outputs = []
+        self._now = time.monotonic()
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -158,6 +163,7 @@ class EngineCore:
     def _resolve(self, step: _InFlightStep) -> list[EngineCoreOutput]:
         result = self.runner.resolve(step.launched)
         self.num_steps += 1
+        self._now = now = time.monotonic()  # once per step: every output of the step carries this time
         outputs = []
         for i, item in enumerate(step.launched.scheduled):
             request = item.request
@@ -173,6 +179,9 @@ class EngineCore:
                     self._emit(outputs, request, [], [], prompt_logprobs, step.weight_version)
                 continue
             self.num_generated_tokens += 1
+            if not request.first_token_ts:
+                request.first_token_ts = now
+                self.num_prompt_tokens += request.num_prompt_tokens
             status = request.resolve_placeholder(token)
             if status is not None:
                 self._finish(request, status)
@@ -211,6 +220,10 @@ class EngineCore:
     ) -> EngineCoreOutput:
         """`last=False`: not the request's last output this step, so it carries no finish reason."""
         finished = last and request.status.finished
+        first_token = None
+        if new_tokens and not request.first_token_sent:
+            request.first_token_sent = True
+            first_token = (request.queued_ts, request.scheduled_ts, request.first_token_ts)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_tokens,
@@ -220,6 +233,8 @@ class EngineCore:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            timestamp=self._now,
+            first_token=first_token,
         )
 
     # ---- pause / resume ----

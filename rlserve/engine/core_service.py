@@ -249,11 +249,15 @@ class EngineCoreService:
         )
 
     def stats(self, client: ClientId, call: UtilityCall) -> dict[str, Any]:
+        """The core's gauges and counters (counts since start): what every front end reports on /metrics."""
         core = self.core
+        config = core.config
         return dict(
             num_running=len(core.scheduler.running),
             num_waiting=len(core.scheduler.waiting),
+            num_prompt_tokens=core.num_prompt_tokens,
             num_generated_tokens=core.num_generated_tokens,
+            num_preemptions=core.scheduler.num_preemptions,
             kv_cache_usage=core.kv_cache.usage,
             kv_cache_free_blocks=core.kv_cache.num_free_blocks,
             kv_cache_blocks=core.kv_cache.num_blocks,
@@ -261,6 +265,13 @@ class EngineCoreService:
             prefix_cache_hits=core.kv_cache.prefix_hits,
             is_paused=core.is_paused(),
             weight_version=core.weight_version,
+            # vLLM's CacheConfig fields that rlserve has, under vLLM's names (vllm:cache_config_info's labels)
+            cache_config=dict(
+                block_size=config.block_size,
+                num_gpu_blocks=core.kv_cache.num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+            ),
         )
 
 

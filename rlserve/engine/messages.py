@@ -30,6 +30,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    timestamp: float = 0.0  # the core's time.monotonic() at the step that produced it (same host as the front end)
+    # (queued, scheduled, first token) times of the core, on the request's first output that carries a token only
+    first_token: tuple[float, float, float] | None = None
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -122,6 +125,9 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     finish_reasons: list[str | None]
     stop_reasons: list[int | str | None]
     num_cached_tokens: bytes  # int32
+    timestamps: bytes  # float64
+    first_token_rows: bytes  # int32: the outputs that carry a `first_token` (a request's first, so few per step)
+    first_token_times: bytes  # float64: (queued, scheduled, first token) per row of first_token_rows
 
 
 CoreInput = AddRequests | AbortRequests | UtilityCall
@@ -142,6 +148,14 @@ def _ints(buf: bytes) -> list[int]:
 
 def _floats(buf: bytes) -> list[float]:
     return np.frombuffer(buf, dtype=np.float32).tolist()
+
+
+def _f64(values: list[float]) -> bytes:
+    return np.asarray(values, dtype=np.float64).tobytes()
+
+
+def _doubles(buf: bytes) -> list[float]:
+    return np.frombuffer(buf, dtype=np.float64).tolist()
 
 
 def _pack_logprobs(rows: list[PositionLogprobsData]) -> PackedLogprobs | None:
@@ -173,7 +187,12 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
     logprob_rows: list[PositionLogprobsData] = []
     prompt_rows: list[PositionLogprobsData] = []
     has_logprobs = []
-    for o in outputs:
+    first_token_rows: list[int] = []
+    first_token_times: list[float] = []
+    for i, o in enumerate(outputs):
+        if o.first_token is not None:
+            first_token_rows.append(i)
+            first_token_times += o.first_token
         with_logprobs = bool(o.new_logprobs) and o.new_logprobs[0] is not None
         has_logprobs.append(with_logprobs)
         if with_logprobs:
@@ -192,6 +211,9 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
         finish_reasons=[o.finish_reason for o in outputs],
         stop_reasons=[o.stop_reason for o in outputs],
         num_cached_tokens=_i32([o.num_cached_tokens for o in outputs]),
+        timestamps=_f64([o.timestamp for o in outputs]),
+        first_token_rows=_i32(first_token_rows),
+        first_token_times=_f64(first_token_times),
     )
 
 
@@ -204,6 +226,7 @@ def unpack_outputs(step: StepOutputs) -> list[EngineCoreOutput]:
     prompt_counts = _ints(step.num_prompt_logprobs)
     prompt_rows = _unpack_logprobs(step.prompt_logprobs)
     cached = _ints(step.num_cached_tokens)
+    timestamps = _doubles(step.timestamps)
     outputs = []
     lp_offset = prompt_offset = 0
     for i, request_id in enumerate(step.request_ids):
@@ -228,8 +251,12 @@ def unpack_outputs(step: StepOutputs) -> list[EngineCoreOutput]:
                 step.finish_reasons[i],
                 step.stop_reasons[i],
                 cached[i],
+                timestamps[i],
             )
         )
+    times = _doubles(step.first_token_times)
+    for j, row in enumerate(_ints(step.first_token_rows)):
+        outputs[row].first_token = (times[3 * j], times[3 * j + 1], times[3 * j + 2])
     return outputs
 
 

@@ -1,8 +1,15 @@
-"""Front-end side of the engine: turns core outputs into RequestOutputs (text, logprobs, n samples per request)."""
+"""Front-end side of the engine: turns core outputs into RequestOutputs (text, logprobs, n samples per request).
+
+It also times each sample for metrics (vLLM's per-request histograms) when given a `RequestStatsObserver`: the front
+end's clock for arrival and end, the core's step times for the rest. Both are time.monotonic() of the same host
+(the core is reached over an ipc:// socket or runs in this process), so their differences are meaningful.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -30,6 +37,8 @@ class _Sample:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for DELTA outputs
     sent_text: int = 0
+    first_token: tuple[float, float, float] | None = None  # the core's (queued, scheduled, first token) times
+    last_token_ts: float = 0.0  # the core's time of the step that sent the latest token
 
 
 @dataclass
@@ -40,6 +49,7 @@ class _RequestState:
     samples: list[_Sample]
     kind: RequestOutputKind
     prompt_logprobs: list[PositionLogprobs | None] | None
+    arrival: float = 0.0  # time.monotonic() when the front end took the request
     num_cached_tokens: int = 0
     prompt_logprobs_sent: bool = False
 
@@ -52,9 +62,23 @@ class _RequestState:
         return True
 
 
+class RequestStatsObserver(Protocol):
+    """Receives each sample's latencies as its outputs arrive (the server's Prometheus metrics implement it)."""
+
+    def first_token(self, ttft: float) -> None: ...
+
+    def inter_token(self, latency: float, count: int) -> None:
+        """`count` tokens whose mean gap is `latency`: one output may carry several (stream_interval, final-only
+        requests), and the core sends one time per output, not per token."""
+
+    def finished(self, finish_reason: str, e2e: float, phases: tuple[float, float, float] | None) -> None:
+        """`phases`: (queue, prefill, decode) seconds, or None for a sample that ended before its first token."""
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self.stats: RequestStatsObserver | None = None
         self.states: dict[str, _RequestState] = {}  # by request id
         self.child_to_parent: dict[str, tuple[str, int]] = {}
         self._token_text: dict[int, str] = {}
@@ -77,7 +101,7 @@ class OutputProcessor:
             children.append((child_id, child_params))
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.states[request_id] = _RequestState(
-            request_id, prompt, list(prompt_token_ids), samples, params.output_kind, prompt_logprobs
+            request_id, prompt, list(prompt_token_ids), samples, params.output_kind, prompt_logprobs, time.monotonic()
         )
         return children
 
@@ -111,6 +135,7 @@ class OutputProcessor:
         """Returns the RequestOutputs to deliver and the child request ids the core must stop (stop strings hit)."""
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
+        stats = self.stats
         for out in core_outputs:
             parent = self.child_to_parent.get(out.request_id)
             if parent is None:
@@ -125,12 +150,16 @@ class OutputProcessor:
                 for j, data in enumerate(out.new_prompt_logprobs):
                     state.prompt_logprobs.append(self._position_logprobs(data, state.prompt_token_ids[offset + j]))
             self._add_tokens(sample, out)
+            if stats is not None and out.new_token_ids:
+                _observe_tokens(stats, state, sample, out)
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             elif sample.finish_reason is not None and out.finish_reason is None:
                 to_abort.append(out.request_id)  # finished by a stop string
             if sample.finish_reason is not None:
                 self.child_to_parent.pop(out.request_id, None)
+                if stats is not None:
+                    _observe_finished(stats, state, sample)
             touched[state.request_id] = state
         results = []
         for state in touched.values():
@@ -215,9 +244,33 @@ class OutputProcessor:
         for s in state.samples:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
+                if self.stats is not None:
+                    _observe_finished(self.stats, state, s)
             self.child_to_parent.pop(child_request_id(request_id, s.index, len(state.samples)), None)
         del self.states[request_id]
         return self._make_output(state, finished=True)
+
+
+def _observe_tokens(stats: RequestStatsObserver, state: _RequestState, sample: _Sample, out: EngineCoreOutput) -> None:
+    """Time to first token (from the front end's arrival) and the gaps between the core's steps, per output."""
+    count = len(out.new_token_ids)
+    previous = sample.last_token_ts
+    if out.first_token is not None:
+        sample.first_token = out.first_token
+        previous = out.first_token[2]
+        stats.first_token(previous - state.arrival)
+        count -= 1  # the first token has no gap before it
+    if count and previous:
+        stats.inter_token((out.timestamp - previous) / count, count)
+    sample.last_token_ts = out.timestamp
+
+
+def _observe_finished(stats: RequestStatsObserver, state: _RequestState, sample: _Sample) -> None:
+    phases = None
+    if sample.first_token is not None:
+        queued, scheduled, first = sample.first_token
+        phases = (scheduled - queued, first - scheduled, sample.last_token_ts - first)
+    stats.finished(sample.finish_reason, time.monotonic() - state.arrival, phases)
 
 
 def _hides_stop_token(params: SamplingParams, finish_reason: str | None, stop_reason: int | str | None) -> bool:

@@ -44,6 +44,12 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = -1  # prefix-cache hits at the first admission; -1 until admitted
     num_preemptions: int = 0
+    # The core's time.monotonic() when the request was queued, first scheduled and got its first token (0.0: not
+    # yet); sent to the front end once, with the first output that carries a token (metrics: queue, prefill time).
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    first_token_sent: bool = False
     num_prompt_logprobs_emitted: int = 0  # recompute after preemption must not emit them twice
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

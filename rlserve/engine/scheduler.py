@@ -7,6 +7,7 @@ admitted running request is preempted: its blocks are freed and it is recomputed
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pause_state = PauseState.UNPAUSED
+        self.num_preemptions = 0  # since start, for metrics
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -115,6 +117,8 @@ class Scheduler:
                 break
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+            if not request.scheduled_ts:  # the first admission: a readmission after preemption is not queue time
+                request.scheduled_ts = time.monotonic()
             self.kv_cache.mark_in_progress(request, num_cached)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -129,6 +133,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

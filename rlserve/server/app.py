@@ -153,13 +153,10 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | Non
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses and chunks."""
 
-    def __init__(
-        self, engine: AsyncLLM, model_names: Sequence[str], metrics: ServerMetrics, defaults: ServingDefaults
-    ) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: Sequence[str], defaults: ServingDefaults) -> None:
         self.engine = engine
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]  # responses name the first, as vLLM's
-        self.metrics = metrics
         self.defaults = defaults
         # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
         self.active: dict[str, list[str]] = {}
@@ -241,10 +238,6 @@ class OpenAIServing:
                 finals[i] = out
         return finals
 
-    def _count_finished(self, sample: CompletionOutput) -> None:
-        if sample.finish_reason is not None:
-            self.metrics.count_finished(sample.finish_reason)
-
     async def _stream(
         self,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
@@ -281,7 +274,6 @@ class OpenAIServing:
                         yield _sse(make_chunk(index, out, sample, first, prompt_lps.get(i) if first else None))
                         if sample.finish_reason is not None:
                             finished.add(index)
-                            self._count_finished(sample)
             if include_usage:
                 yield _sse(make_usage_chunk(usage.info()))
         except APIError as e:
@@ -348,7 +340,6 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             usage.add(i, out)
             for s in out.outputs:
-                self._count_finished(s)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + s.index,
@@ -449,7 +440,6 @@ class OpenAIServing:
         usage.add(0, out)
         choices = []
         for s in out.outputs:
-            self._count_finished(s)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=s.index,
@@ -519,8 +509,6 @@ class OpenAIServing:
         (out,) = finals
         usage = _Usage()
         usage.add(0, out)
-        for s in out.outputs:
-            self._count_finished(s)
         response = GenerateResponse(
             request_id=request_id,
             model=self.model_name,
@@ -626,7 +614,7 @@ def build_app(
         )
     app = FastAPI(title="rlserve", version=rlserve.__version__)
     metrics = ServerMetrics(engine, model_names[0])
-    serving = OpenAIServing(engine, model_names, metrics, defaults or ServingDefaults())
+    serving = OpenAIServing(engine, model_names, defaults or ServingDefaults())
     auth = make_auth(api_keys)
     _install_error_handlers(app)
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)}

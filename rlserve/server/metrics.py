@@ -1,76 +1,161 @@
-"""Prometheus metrics of one server, in a registry of its own (several apps in one process must not collide).
+"""Prometheus metrics of one server: vLLM's `vllm:` series (same names, types, labels and buckets, so scrapers and
+dashboards written for vLLM read them) and rlserve's RL series.
 
-Engine state is read from `AsyncLLM.stats()` at scrape time rather than pushed, so the engine core needs no hooks;
-only what the server alone sees (how requests finished, how long RL control calls took) is counted as it happens.
-The RL histograms answer where a slow weight sync goes: each control route's duration, start -> finish of every
-weight update, and how long generation stood still between a pause and its resume.
+Where each figure comes from:
+- the engine core's gauges and counters (running/waiting, KV usage, prefix-cache queries/hits, prompt/generation
+  tokens, preemptions) are read from `AsyncLLM.stats()` at scrape time: the core lives in another process and counts
+  for every front end, so any API server reports the engine-wide values;
+- per-request histograms (TTFT, inter-token latency, e2e, queue, prefill, decode) and finished requests are observed
+  in this front end as outputs arrive (`RequestStatsObserver`), each API server for its own requests. With several
+  API server processes `rlserve serve` sets PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode, vLLM's
+  choice too): every process writes its series there, and a scrape of any of them sums all of them, each request
+  counted once;
+- the RL histograms answer where a slow weight sync goes: each control route's duration, start -> finish of every
+  weight update, and how long generation stood still between a pause and its resume.
+
+Separate registries per server (not the global one): several apps in one process must not collide.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from rlserve.engine.async_llm import AsyncLLM
 
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# vLLM labels its engine series with the model and the engine index; rlserve has one engine core.
+ENGINE_INDEX = "0"
+ENGINE_LABELS = ("model_name", "engine")
+
+# vLLM's buckets (vllm/v1/metrics/buckets.py), so histograms from both engines can be compared and aggregated.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
+# From a millisecond (an ipc sync of a small model) to a minute (an NCCL rendezvous).
+RL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 
 class _EngineCollector:
-    """Reports the engine core's counters as of the last `update` (the core lives in another process: reading them
-    is an async call, and prometheus collects synchronously)."""
+    """Reports the engine core's state as of the last `update` (the core lives in another process: reading it is an
+    async call, and prometheus collects synchronously). Counters are the core's counts since start, so they are
+    monotonic whoever scrapes and however often."""
 
     def __init__(self, model_name: str) -> None:
-        self.stats: dict | None = None
-        self.model_name = model_name
-        # Tokens/s is the rate between two scrapes: (time, generated tokens) at the previous one.
-        self._last: tuple[float, int] | None = None
+        self.stats: dict[str, Any] | None = None
+        self.label_values = [model_name, ENGINE_INDEX]
+
+    def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
+        metric = kind(name, doc, labels=ENGINE_LABELS)
+        metric.add_metric(self.label_values, value)
+        return metric
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
         if stats is None:
             return
-        labels = ["model_name"]
-        values = [self.model_name]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            metric = GaugeMetricFamily(name, doc, labels=labels)
-            metric.add_metric(values, value)
-            return metric
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            metric = CounterMetricFamily(name, doc, labels=labels)
-            metric.add_metric(values, value)
-            return metric
-
-        tokens = stats["num_generated_tokens"]
-        now = time.monotonic()
-        rate = 0.0
-        if self._last is not None and now > self._last[0]:
-            rate = (tokens - self._last[1]) / (now - self._last[0])
-        self._last = (now, tokens)
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "vllm:num_requests_running", "Requests in the running batch.", stats["num_running"])
+        yield self._family(gauge, "vllm:num_requests_waiting", "Requests waiting to run.", stats["num_waiting"])
+        usage = stats["kv_cache_usage"]
+        yield self._family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", usage)
         queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-
-        yield gauge("rlserve_num_requests_running", "Requests in the running batch.", stats["num_running"])
-        yield gauge("rlserve_num_requests_waiting", "Requests queued for admission.", stats["num_waiting"])
-        yield counter("rlserve_generation_tokens", "Output tokens generated.", tokens)
-        yield gauge("rlserve_generation_tokens_per_second", "Output tokens/s since the previous scrape.", rate)
-        yield gauge("rlserve_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats["kv_cache_usage"])
-        yield counter("rlserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("rlserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
-        yield gauge(
-            "rlserve_prefix_cache_hit_rate", "Prefix-cache hits over queries (0-1).", hits / queries if queries else 0.0
-        )
-        yield gauge("rlserve_is_paused", "1 while generation is paused.", float(stats["is_paused"]))
-        info = InfoMetricFamily("rlserve_weight_version", "The weight version now served.", labels=labels)
-        info.add_metric(values, {"weight_version": stats["weight_version"]})
+        yield self._family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in prefix cache.", queries)
+        yield self._family(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
+        prompt, generation = stats["num_prompt_tokens"], stats["num_generated_tokens"]
+        yield self._family(counter, "vllm:prompt_tokens", "Prefill tokens processed.", prompt)
+        yield self._family(counter, "vllm:generation_tokens", "Generation tokens processed.", generation)
+        preemptions = stats["num_preemptions"]
+        yield self._family(counter, "vllm:num_preemptions", "Preemptions of running requests.", preemptions)
+        # vLLM's info series is a gauge at 1 whose labels are the cache config and the engine (no model_name).
+        config = {name: str(value) for name, value in stats["cache_config"].items()} | {"engine": ENGINE_INDEX}
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config.", labels=config)
+        info.add_metric(list(config.values()), 1.0)
         yield info
+        yield self._family(gauge, "rlserve_is_paused", "1 while generation is paused.", float(stats["is_paused"]))
+        version = InfoMetricFamily("rlserve_weight_version", "The weight version now served.", labels=ENGINE_LABELS)
+        version.add_metric(self.label_values, {"weight_version": stats["weight_version"]})
+        yield version
 
 
-# From a millisecond (an ipc sync of a small model) to a minute (an NCCL rendezvous).
-RL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+def _observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of `value` at the cost of one: an output carrying a stream_interval's or a final-only
+    request's tokens has one mean gap, and a loop per token would put per-token work on the hot path.
+    prometheus_client has no weighted observe; this writes its per-child values as `observe` does (bucket counts
+    stored per bucket, summed at collection), which tests/server/test_metrics.py checks against `observe`."""
+    histogram._sum.inc(value * count)
+    histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)].inc(count)
+
+
+class _RequestMetrics:
+    """vLLM's per-request series, observed by the engine's output processor (a RequestStatsObserver). The labelled
+    children are resolved once: `labels()` per observation is a dict lookup and a lock on the hot path."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = (model_name, ENGINE_INDEX)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ENGINE_LABELS, buckets=buckets, registry=registry).labels(*labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of end-to-end request latency.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "Time from queued to first scheduled.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds", "Time from first scheduled to first token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "Time from first token to last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self._labels = labels
+        self._success_counter = Counter(
+            "vllm:request_success",
+            "Finished requests (each of a request's n samples) by finish reason.",
+            [*ENGINE_LABELS, "finished_reason"],
+            registry=registry,
+        )
+        self._success: dict[str, Counter] = {}
+
+    def first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def inter_token(self, latency: float, count: int) -> None:
+        if count == 1:
+            self.itl.observe(latency)
+        else:
+            _observe_many(self.itl, latency, count)
+
+    def finished(self, finish_reason: str, e2e: float, phases: tuple[float, float, float] | None) -> None:
+        success = self._success.get(finish_reason)
+        if success is None:
+            success = self._success[finish_reason] = self._success_counter.labels(*self._labels, finish_reason)
+        success.inc()
+        self.e2e.observe(e2e)
+        if phases is not None:
+            queue, prefill, decode = phases
+            self.queue.observe(queue)
+            self.prefill.observe(prefill)
+            self.decode.observe(decode)
 
 
 class _Interval:
@@ -94,15 +179,18 @@ class _Interval:
 class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
+        # Where this process's series are registered, and what a scrape exposes: the same registry, or in
+        # multiprocess mode the sum of every API server's series as written to the shared directory.
         self.registry = CollectorRegistry()
+        self._exposed = self.registry
+        if os.environ.get(MULTIPROC_DIR_ENV):
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed)
         self._engine_collector = _EngineCollector(model_name)
-        self.registry.register(self._engine_collector)
-        self._finished = Counter(
-            "rlserve_request_success",
-            "Finished requests (per choice) by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
-        )
+        self._exposed.register(self._engine_collector)
+        # One observer per engine: the last server built on an engine gets its requests' figures.
+        engine.output_processor.stats = _RequestMetrics(self.registry, model_name)
         self._rl_call = Histogram(
             "rlserve_rl_call_seconds",
             "Duration of each RL control call as the server handled it, by route (failed calls included).",
@@ -121,10 +209,6 @@ class ServerMetrics:
         self._paused = interval(
             "rlserve_pause_seconds", "How long generation stood still: a pause to the resume that ended it."
         )
-        self.model_name = model_name
-
-    def count_finished(self, finish_reason: str) -> None:
-        self._finished.labels(self.model_name, finish_reason).inc()
 
     def observe_rl_call(self, route: str, seconds: float) -> None:
         self._rl_call.labels(self.model_name, route).observe(seconds)
@@ -143,4 +227,4 @@ class ServerMetrics:
 
     async def render(self) -> tuple[bytes, str]:
         self._engine_collector.stats = await self.engine.stats()
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self._exposed), CONTENT_TYPE_LATEST

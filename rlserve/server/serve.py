@@ -19,12 +19,14 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 
 from rlserve.engine.args import engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_core
 from rlserve.log import configure_logging
 from rlserve.server.app import build_app
+from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
 
 logger = logging.getLogger(__name__)
@@ -127,9 +129,15 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
         stop = True
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Every API server writes its request metrics here and sums all of them on /metrics (prometheus_client's
+    # multiprocess mode): a scrape that lands on any one of them counts every request once. A fresh directory per
+    # run, whatever the environment says: series left by an earlier run would be summed in.
+    metrics_dir = tempfile.TemporaryDirectory(prefix="rlserve-metrics-")
+    os.environ[MULTIPROC_DIR_ENV] = metrics_dir.name  # spawned children copy the environment as they start
     try:
         for server in servers:
             server.start()
+        del os.environ[MULTIPROC_DIR_ENV]
         sentinels = [core.process.sentinel] + [s.sentinel for s in servers]
         while not stop and not multiprocessing.connection.wait(sentinels, timeout=0.2):
             pass
@@ -151,6 +159,8 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
         for server in servers:
             server.join(10)
         core.shutdown()
+        os.environ.pop(MULTIPROC_DIR_ENV, None)
+        metrics_dir.cleanup()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
