@@ -251,11 +251,12 @@ class AsyncClientBase:
         except BaseException as e:
             future.set_exception(e)
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, stopped: bool = False) -> None:
         if self.dead is not None:
             return
         self.dead = reason
-        logger.error("%s", reason)
+        # Pending calls fail either way; only a crash is an error in the log.
+        logger.log(logging.WARNING if stopped else logging.ERROR, "%s", reason)
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -391,8 +392,10 @@ class AsyncMPClient(AsyncClientBase):
     async def _watch(self) -> None:
         while self._core_alive():
             await asyncio.sleep(LIVENESS_INTERVAL_S)
-        reason = self.process.death_reason() if self.process is not None else f"the engine core (pid {self.pid}) died"
-        self._die(reason)
+        if self.process is not None:
+            self._die(self.process.death_reason(), stopped=self.process.stopped)
+        else:  # a core another process started: its exit status is not ours to read
+            self._die(f"the engine core (pid {self.pid}) is gone")
 
     def _send(self, message) -> None:
         self.socket.send(self.codec.encode(message), copy=False)

@@ -41,7 +41,7 @@ PARENT_CHECK_INTERVAL_S = 0.5
 EXIT_STEP_FAILED = 3  # an engine step raised: its requests were ended, the traceback is in the core's log
 # Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
 # time a fresh interpreter takes, and none inherits the threads of the front end (which fork would copy badly).
-_PRELOAD = ["rlserve.engine.core_service"]
+_PRELOAD = ["rlserve.engine.fork_server_preload"]
 
 
 def multiprocessing_enabled() -> bool:
@@ -228,9 +228,16 @@ class CoreProcess:
                 how = f"killed by signal {-code}"
         elif code == EXIT_STEP_FAILED:
             how = "an engine step failed; the traceback is in its log"
+        elif code == 0:
+            return f"the engine-core process (pid {self.process.pid}) was stopped (SIGTERM)"
         else:
             how = f"exit code {code}"
         return f"the engine-core process (pid {self.process.pid}) died ({how})"
+
+    @property
+    def stopped(self) -> bool:
+        """It exited as told (SIGTERM: a supervisor stopping the service), rather than crashing or being killed."""
+        return self.process.exitcode == 0
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.process.is_alive():

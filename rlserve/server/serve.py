@@ -76,10 +76,11 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         try:
             await engine.check_health()
         except EngineDeadError:
+            stopping = server.should_exit  # told to stop too (SIGTERM to the process group): an orderly stop
             await asyncio.sleep(DEAD_ENGINE_GRACE_S)
             server.should_exit = True
             await serving
-            return EXIT_ENGINE_DEAD
+            return 0 if stopping else EXIT_ENGINE_DEAD
         await asyncio.wait({serving}, timeout=0.2)
     await serving
     return 0

@@ -108,3 +108,17 @@ def test_two_api_servers_share_one_core(start_server):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(EXIT_S) == 0
     assert not survivors(children)
+
+
+def test_sigterm_to_the_whole_process_group_is_an_orderly_stop(start_server):
+    # As a supervisor stops `rlserve serve` (kill -- -PGID): the server, its fork server and its core all get SIGTERM
+    # at once. The core's clean exit must not read as a crash in the log.
+    server = start_server("--log-level", "info")
+    group = [server.proc.pid, *descendants(server.proc.pid)]
+    assert engine_core_pids(server.proc.pid)
+    for pid in group:
+        os.kill(pid, signal.SIGTERM)
+    assert server.proc.wait(EXIT_S) in (0, -signal.SIGTERM)
+    assert not survivors(group)
+    log = server.log_tail(20_000)
+    assert "died" not in log and "ERROR" not in log, log

@@ -1,0 +1,13 @@
+"""What the fork server that engine-core processes are forked from imports at its start (multiprocessing's
+forkserver preload; see core_proc): the engine, once for every core, and the fork server's own signal manners.
+Imported there only."""
+
+import signal
+
+import rlserve.engine.core_service  # noqa: F401  (the engine's modules, imported once for every core)
+
+# The fork server reports the exit status of the cores it forked. A SIGTERM to the whole process group (a supervisor
+# stopping `rlserve serve`, `kill -- -PGID`) must not end it before them, or a core's clean exit reads as "died (exit
+# code 255)" in the front end. It exits by itself when the front end that started it goes (multiprocessing closes
+# its pipe). A forked core sets its own SIGTERM handler first thing.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
