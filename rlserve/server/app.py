@@ -648,13 +648,15 @@ class OpenAIServing:
         return [self._render(rid, req, p, rename) for rid, p in zip(ids, prompts, strict=True)]
 
     def render_chat(self, req: ChatCompletionRequest) -> dict:
-        """vLLM's GenerateRequest, plus `prompt`: the text the chat template made (rlserve's)."""
+        """vLLM's GenerateRequest, plus `prompt`: the text the chat template made (rlserve's); of a truncated
+        prompt, the text of the tokens kept."""
         self._check_model(req.model)
         prompt = self._chat_prompt(req)
         rename = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": prompt["prompt"]}
+        text = prompt.get("prompt") or self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+        return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": text}
 
 
 def _install_error_handlers(app: FastAPI) -> None:
