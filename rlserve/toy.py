@@ -5,12 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, with Hermes-style tools (as Qwen's templates): the offered tools in a system turn, an assistant's calls as
+# <tool_call> JSON, a tool's answer in a tool turn. Without tools, plain ChatML.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -48,8 +55,9 @@ PRESETS: dict[str, dict] = {
 MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer with no merges: 256 byte tokens plus chat specials. Any text round-trips."""
+def make_tokenizer(add_bos: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer with no merges: 256 byte tokens plus chat specials. Any text round-trips. `add_bos`:
+    `<|endoftext|>` starts every text tokenized with special tokens (as GPT-2's and Llama's tokenizers add a BOS)."""
     vocab = {sym: i for i, sym in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     vocab = {sym: i for i, sym in enumerate(sorted(vocab))}
     for tok in SPECIAL_TOKENS:
@@ -58,8 +66,17 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    bos = SPECIAL_TOKENS[0]
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, vocab[bos])]
+        )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok,
+        eos_token=bos,
+        pad_token=bos,
+        bos_token=bos if add_bos else None,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -40,6 +40,44 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
     return salt
 
 
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """A conversation as the prompt text the chat template makes (vLLM's rules, shared by `LLM.chat` and the server).
+
+    `continue_final_message`: the last message stays open for the model to continue (a prefilled assistant turn), so
+    no generation prompt follows it. `chat_template_kwargs` reach the template as variables; they may not re-set the
+    arguments above. A ValueError names the offending argument."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be used with add_generation_prompt=True")
+    kwargs = dict(chat_template_kwargs or {})
+    named = {"chat_template", "add_generation_prompt", "continue_final_message", "tools", "documents", "tokenize"}
+    clash = sorted(named & kwargs.keys())
+    if clash:
+        raise ValueError(f"chat_template_kwargs: {clash} are arguments of their own, not template kwargs")
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            documents=documents,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as e:  # jinja errors, a tokenizer without a chat template, a final message to continue missing
+        raise ValueError(f"messages: the chat template failed: {e}") from e
+
+
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
@@ -166,6 +204,36 @@ class LLM(EngineFrontEnd):
                         self.client.abort(child_ids)
                 self.output_processor.abort(request_id)
             raise
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's: one conversation (a list of messages) or a list of them, rendered by the tokenizer's chat template
+        (or `chat_template`) and generated as `generate` does; one output per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = render_chat(
+                self.tokenizer,
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            # The template already placed any special tokens (BOS, role markers): none are added a second time.
+            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_to_completion(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

@@ -8,6 +8,7 @@ or not, aborts its request so the engine stops spending steps on it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
-from rlserve.engine.llm import PromptType, ValidatedPrompt
+from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
@@ -49,18 +50,22 @@ from rlserve.server.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
+    DeltaToolCall,
     ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     TokenFormatter,
     UsageInfo,
+    _GenerationRequest,
     chat_logprobs,
     completion_logprobs,
     new_id,
     prompt_logprobs,
+    weight_version_spans,
 )
 from rlserve.server.rl_routes import build_rl_router
+from rlserve.server.tool_parsers import ParsedOutput, StreamingToolCalls, parse_hermes
 from rlserve.server.vllm_routes import build_vllm_router
 
 logger = logging.getLogger(__name__)
@@ -131,6 +136,27 @@ class _Usage:
         )
 
 
+def _finish_reason(engine_reason: str | None, parsed: ParsedOutput) -> str | None:
+    """vLLM's: "tool_calls" when the model stopped by itself after calling tools (a length cut stays visible)."""
+    return "tool_calls" if parsed.tool_calls and engine_reason == "stop" else engine_reason
+
+
+class _WeightVersions:
+    """Each choice's `weight_versions` as the request asks: vLLM's spans over all its tokens, on its last chunk
+    (`return_weight_versions`), or rlserve's version of each token of the chunk."""
+
+    def __init__(self, req: _GenerationRequest) -> None:
+        self.spans = req.return_weight_versions
+        self.seen: dict[int, list[str]] = {}
+
+    def __call__(self, index: int, sample: CompletionOutput) -> Any:
+        if not self.spans:
+            return sample.weight_versions
+        versions = self.seen.setdefault(index, [])
+        versions += sample.weight_versions or []
+        return weight_version_spans(versions) if sample.finish_reason is not None else None
+
+
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests) and return None."""
 
@@ -162,6 +188,38 @@ class OpenAIServing:
         self.active: dict[str, list[str]] = {}
 
     # ---- shared ----
+
+    def _claim(self, key: str) -> None:
+        if key in self.active:
+            raise APIError(409, f"request_id: {key!r} is already in flight", "request_id")
+
+    def _request_ids(self, req: _GenerationRequest, prefix: str) -> tuple[str, str]:
+        """(the response's id, the request's key): the client's request_id when it sends one (the response id is
+        vLLM's `{prefix}-{request_id}`), which /abort_requests takes and the engine's request ids derive from."""
+        if req.request_id is None:
+            response_id = new_id(prefix)
+            return response_id, response_id
+        self._claim(req.request_id)
+        return f"{prefix}-{req.request_id}", req.request_id
+
+    def _tokenized(self, req: _GenerationRequest, text: str | None, token_ids: list[int]) -> dict[str, Any]:
+        """An engine prompt of `token_ids` (tokenized from `text`, if any), truncated as the request asks, with its
+        cache salt."""
+        truncated = req.truncate(token_ids, self.engine.max_model_len)
+        prompt: dict[str, Any] = {"prompt_token_ids": truncated, "cache_salt": req.cache_salt}
+        if text is not None and truncated is token_ids:  # a cut prompt's text is no longer the request's
+            prompt["prompt"] = text
+        return prompt
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[PromptType]:
+        prompts: list[PromptType] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = self.engine.tokenizer(p, add_special_tokens=req.add_special_tokens).input_ids
+                prompts.append(self._tokenized(req, p, ids))
+            else:
+                prompts.append(self._tokenized(req, None, p))
+        return prompts
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -195,6 +253,7 @@ class OpenAIServing:
         self, request_id: str, prompts: list[ValidatedPrompt]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine outputs of every prompt of one API request, tagged with the prompt's index."""
+        self._claim(request_id)  # again: another request may have taken the id since this one was checked
         if len(prompts) == 1:
             self.active[request_id] = [request_id]
             try:
@@ -294,10 +353,10 @@ class OpenAIServing:
             params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
-        engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in req.prompts()]
-        prompts = self._validate(engine_prompts, params, rename)
-        request_id = new_id("cmpl")
+        prompts = self._validate(self._completion_prompts(req), params, rename)
+        response_id, request_id = self._request_ids(req, "cmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
+        weight_versions = _WeightVersions(req)
         n = params.n
 
         if req.stream:
@@ -319,15 +378,15 @@ class OpenAIServing:
                     logprobs=logprobs,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    weight_versions=s.weight_versions,
+                    weight_versions=weight_versions(index, s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                     prompt_logprobs=prompt_logprobs(prompt_lps, fmt),
                     prompt_token_ids=out.prompt_token_ids if first and req.return_token_ids else None,
                 )
-                return CompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
+                return CompletionStreamResponse(id=response_id, model=self.model_name, choices=[choice])
 
             def usage_chunk(usage: UsageInfo) -> BaseModel:
-                return CompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+                return CompletionStreamResponse(id=response_id, model=self.model_name, choices=[], usage=usage)
 
             body = self._stream(self._generate(request_id, prompts), n, req.include_usage, chunk, usage_chunk, [])
             return StreamingResponse(body, media_type="text/event-stream")
@@ -347,33 +406,47 @@ class OpenAIServing:
                         logprobs=None if s.logprobs is None else completion_logprobs(s, fmt, 0)[0],
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
-                        weight_versions=s.weight_versions,
+                        weight_versions=weight_versions(i * n + s.index, s),
                         token_ids=s.token_ids if req.return_token_ids else None,
                         prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
                         prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
                     )
                 )
-        response = CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage.info())
+        response = CompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage.info())
         return Response(response.model_dump_json(), media_type="application/json")
 
     # ---- /v1/chat/completions ----
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> PromptType:
+    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         tokenizer = self.engine.tokenizer
         try:
-            text = tokenizer.apply_chat_template(
+            text = render_chat(
+                tokenizer,
                 [m.template_dict() for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                tokenize=False,
-                chat_template=self.defaults.chat_template,
-                **(req.chat_template_kwargs or {}),
+                chat_template=req.chat_template or self.defaults.chat_template,
+                add_generation_prompt=req.generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tools=None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools],
+                documents=req.documents,
+                chat_template_kwargs=req.chat_template_kwargs,
             )
-        except APIError:
-            raise
-        except Exception as e:  # jinja errors, or a tokenizer without a chat template
-            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from e
-        # The template already placed any special tokens (BOS, role markers): do not add them a second time.
-        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        except ValueError as e:
+            raise APIError.from_value_error(e, {"messages", "chat_template_kwargs"}, "messages") from e
+        # By default (vLLM's for chat) the template alone places the special tokens: none are added a second time.
+        return self._tokenized(req, text, tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids)
+
+    def _parses_tool_calls(self, req: ChatCompletionRequest) -> bool:
+        """Whether the output is parsed for tool calls: tools offered with tool_choice "auto", which needs the
+        server's --enable-auto-tool-choice (vLLM's rule)."""
+        if not req.tools or req.tool_choice != "auto":
+            return False
+        if not self.defaults.enable_auto_tool_choice:
+            raise APIError(
+                400,
+                'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser',
+                "tool_choice",
+            )
+        return True
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
@@ -384,15 +457,22 @@ class OpenAIServing:
             params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
+        parse_tools = self._parses_tool_calls(req)
+        if parse_tools and "skip_special_tokens" not in req.model_fields_set:
+            # vLLM's: a model's tool-call tags may be special tokens, which the parser must see.
+            params = dataclasses.replace(params, skip_special_tokens=False)
         prompts = self._validate([self._chat_prompt(req)], params, rename)
-        request_id = new_id("chatcmpl")
+        response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
+        weight_versions = _WeightVersions(req)
+        echoed = req.echoed()
         top_k = params.logprobs or 0
 
         def logprobs(s: CompletionOutput) -> Any:
             return None if s.logprobs is None else chat_logprobs(s, fmt, top_k)
 
         if req.stream:
+            tool_streams: dict[int, StreamingToolCalls] = {}
 
             def chunk(
                 index: int,
@@ -401,34 +481,44 @@ class OpenAIServing:
                 first: bool,
                 prompt_lps: PositionLogprobsList | None,
             ) -> BaseModel:
+                delta, finish_reason = DeltaMessage(content=s.text), s.finish_reason
+                if parse_tools:
+                    stream = tool_streams.setdefault(index, StreamingToolCalls())
+                    delta.content = stream.feed(s.text)
+                    if s.finish_reason is not None:
+                        parsed = stream.finish()
+                        delta.content += parsed.content
+                        calls = [DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(parsed.tool_calls)]
+                        delta.tool_calls = calls or None
+                        finish_reason = _finish_reason(s.finish_reason, parsed)
                 choice = ChatCompletionStreamChoice(
                     index=index,
-                    delta=DeltaMessage(content=s.text),
+                    delta=delta,
                     logprobs=logprobs(s),
-                    finish_reason=s.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=s.stop_reason,
-                    weight_versions=s.weight_versions,
+                    weight_versions=weight_versions(index, s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                 )
                 # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
                 top_level = prompt_logprobs(prompt_lps, fmt) if index == 0 else None
                 return ChatCompletionStreamResponse(
-                    id=request_id, model=self.model_name, choices=[choice], prompt_logprobs=top_level
+                    id=response_id, model=self.model_name, choices=[choice], prompt_logprobs=top_level
                 )
 
             def usage_chunk(usage: UsageInfo) -> BaseModel:
-                return ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+                return ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[], usage=usage)
 
-            roles = [
-                ChatCompletionStreamResponse(
-                    id=request_id,
-                    model=self.model_name,
-                    choices=[ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                )
-                for i in range(params.n)
-            ]
+            def preamble(delta: DeltaMessage, i: int) -> BaseModel:
+                choice = ChatCompletionStreamChoice(index=i, delta=delta)
+                return ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[choice])
+
+            # Each choice's role, then (echo) the text its reply continues, as vLLM streams them.
+            first_chunks = [preamble(DeltaMessage(role="assistant", content=""), i) for i in range(params.n)]
+            if echoed:
+                first_chunks += [preamble(DeltaMessage(content=echoed), i) for i in range(params.n)]
             body = self._stream(
-                self._generate(request_id, prompts), params.n, req.include_usage, chunk, usage_chunk, roles
+                self._generate(request_id, prompts), params.n, req.include_usage, chunk, usage_chunk, first_chunks
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
@@ -440,19 +530,24 @@ class OpenAIServing:
         usage.add(0, out)
         choices = []
         for s in out.outputs:
+            parsed = parse_hermes(s.text) if parse_tools else ParsedOutput(s.text, [])
+            content = echoed + parsed.content
+            message = ChatResponseMessage(
+                content=content if content or not parsed.tool_calls else None, tool_calls=parsed.tool_calls
+            )
             choices.append(
                 ChatCompletionResponseChoice(
                     index=s.index,
-                    message=ChatResponseMessage(content=s.text),
+                    message=message,
                     logprobs=logprobs(s),
-                    finish_reason=s.finish_reason,
+                    finish_reason=_finish_reason(s.finish_reason, parsed),
                     stop_reason=s.stop_reason,
-                    weight_versions=s.weight_versions,
+                    weight_versions=weight_versions(s.index, s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                 )
             )
         response = ChatCompletionResponse(
-            id=request_id,
+            id=response_id,
             model=self.model_name,
             choices=choices,
             usage=usage.info(),
@@ -474,8 +569,7 @@ class OpenAIServing:
         prompt = {"prompt_token_ids": req.token_ids, "cache_salt": req.cache_salt}
         prompts = self._validate([prompt], params, rename)
         request_id = req.request_id or new_id("generate")
-        if request_id in self.active:
-            raise APIError(409, f"request_id: {request_id!r} is already in flight", "request_id")
+        self._claim(request_id)
 
         def choice(s: CompletionOutput) -> GenerateChoice:
             return GenerateChoice(
@@ -542,27 +636,27 @@ class OpenAIServing:
             "model": req.model,
             "stream": req.stream,
             "return_token_ids": req.return_token_ids,
+            "cache_salt": checked.cache_salt,
         }
 
     def render_completion(self, req: CompletionRequest) -> list[dict]:
         self._check_model(req.model)
-        prompts = req.prompts()
+        prompts = self._completion_prompts(req)
         base = new_id("cmpl")
         ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
         rename = {"prompt_token_ids": "prompt"}
-        return [
-            self._render(rid, req, p if isinstance(p, str) else {"prompt_token_ids": p}, rename)
-            for rid, p in zip(ids, prompts, strict=True)
-        ]
+        return [self._render(rid, req, p, rename) for rid, p in zip(ids, prompts, strict=True)]
 
     def render_chat(self, req: ChatCompletionRequest) -> dict:
-        """vLLM's GenerateRequest, plus `prompt`: the text the chat template made (rlserve's)."""
+        """vLLM's GenerateRequest, plus `prompt`: the text the chat template made (rlserve's); of a truncated
+        prompt, the text of the tokens kept."""
         self._check_model(req.model)
         prompt = self._chat_prompt(req)
         rename = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": prompt["prompt"]}
+        text = prompt.get("prompt") or self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+        return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": text}
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -572,12 +666,19 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # 400 as vLLM and OpenAI answer (the OpenAI SDK's BadRequestError), not FastAPI's 422.
         errors = exc.errors()
         # The top-level field: deeper locations name union members ("prompt.list[int].0"); the message has them.
         fields = [e["loc"][1] for e in errors if len(e.get("loc", ())) > 1 and e["loc"][0] == "body"]
         param = str(fields[0]) if fields else None
-        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors)
-        return _error_json(APIError(422, message or "invalid request", param))
+
+        def describe(error: Mapping[str, Any]) -> str:
+            if error.get("type") == "extra_forbidden":
+                return "unknown field: neither vLLM nor rlserve has it"
+            return str(error.get("msg"))
+
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {describe(e)}" for e in errors)
+        return _error_json(APIError(400, message or "invalid request", param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -617,7 +718,7 @@ def build_app(
     serving = OpenAIServing(engine, model_names, defaults or ServingDefaults())
     auth = make_auth(api_keys)
     _install_error_handlers(app)
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 422)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409)}
 
     @app.get("/health")
     @app.get("/health/", include_in_schema=False)  # TRL's spelling: answered here, not with a redirect

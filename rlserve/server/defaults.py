@@ -1,5 +1,6 @@
-"""Server-wide request defaults: what `--generation-config`, `--chat-template` and `--return-tokens-as-token-ids` set,
-applied to every request that does not set the field itself (vLLM's semantics for each)."""
+"""Server-wide request defaults: what `--generation-config`, `--chat-template`, `--return-tokens-as-token-ids` and
+`--enable-auto-tool-choice` set, applied to every request that does not set the field itself (vLLM's semantics for
+each)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ JINJA_CHARS = "{}\n"  # vLLM's test: a --chat-template value holding one of thes
 class ServingDefaults:
     return_tokens_as_token_ids: bool = False
     chat_template: str | None = None  # None: the tokenizer's
+    # --enable-auto-tool-choice: chat output is parsed for tool calls (with --tool-call-parser's format, hermes) when a
+    # request offers tools with tool_choice "auto".
+    enable_auto_tool_choice: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default; max_tokens is a bound
     unsupported: dict[str, Any] = field(default_factory=dict)  # generation-config fields rlserve cannot apply yet
 

@@ -1,20 +1,23 @@
 """OpenAI wire format: request and response models, and the conversions between them and rlserve's engine types.
 
-Requests ignore unknown fields (OpenAI clients send extras) but reject fields of the wrong type (FastAPI answers
-422). Sampling values are checked by `SamplingParams` and the engine; `APIError` carries their complaint to the
-client as OpenAI's error JSON, naming the field.
+No request field is dropped unread: each of vLLM's is implemented or, in `REFUSED_FIELDS`, refused with a 400
+naming it and the reason unless it has its "off" value; a field neither vLLM nor rlserve knows is refused as unknown.
+Wrong types are 400s too (the server's validation handler). Sampling values are checked by `SamplingParams` and the
+engine; `APIError` carries their complaint to the client as OpenAI's error JSON, naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 import uuid
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -80,7 +83,74 @@ class APIError(Exception):
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+    off: tuple[Any, ...] = (None,)  # the values that ask for nothing: accepted, as no request for the feature
+
+
+_TEXT_ONLY = "rlserve serves text-only models"
+_NO_DISAGG = "rlserve has no disaggregated serving"
+_NO_REASONING = "rlserve has no reasoning parser"
+_NO_GUIDED = "rlserve has no guided (structured) decoding"
+# vLLM 0.33's request fields that rlserve does not implement, on /v1/completions and /v1/chat/completions (a request
+# model that declares one of these names implements it: chat's echo). Sent with an "off" value, a field is accepted;
+# with any other, refused by name with the reason: a client must not get output that silently ignored its request.
+REFUSED_FIELDS: dict[str, Refused] = {
+    "echo": Refused("echo on /v1/completions is not implemented (chat's echo is)", (None, False)),
+    "user": Refused("rlserve keeps no per-user records (OpenAI's abuse-monitoring id); omit it"),
+    "use_beam_search": Refused("beam search is not implemented", (None, False)),
+    "length_penalty": Refused("beam search is not implemented", (None, 1.0)),
+    "watermarking": Refused("watermarking is not implemented", (None, False)),
+    "spaces_between_special_tokens": Refused("detokenization is not configurable in rlserve", (None, True)),
+    "allowed_token_ids": Refused("not implemented yet"),
+    "bad_words": Refused("not implemented yet", (None, [])),
+    "logprob_token_ids": Refused("logprobs of chosen token ids are not implemented; use logprobs / top_logprobs"),
+    "prompt_embeds": Refused("prompt embeddings are not supported: send text or token ids"),
+    "response_format": Refused(f"{_NO_GUIDED}: only {{'type': 'text'}}", (None, {"type": "text"})),
+    "structured_outputs": Refused(_NO_GUIDED),
+    "priority": Refused("rlserve has no priority scheduling (first come, first served): only 0", (None, 0)),
+    "session_id": Refused("one engine per server: there is no session routing"),
+    "routed_experts_prompt_start": Refused("routed experts are not returned (no MoE models yet)", (None, 0)),
+    "return_token_offsets": Refused("token offsets are not returned", (None, False)),
+    "return_prompt_text": Refused("not implemented: /v1/chat/completions/render returns the prompt", (None, False)),
+    "mm_payload": Refused(_TEXT_ONLY, (None, "tensors")),
+    "return_mm_kwargs": Refused(_TEXT_ONLY),
+    "media_io_kwargs": Refused(_TEXT_ONLY),
+    "mm_processor_kwargs": Refused(_TEXT_ONLY),
+    "kv_transfer_params": Refused(_NO_DISAGG),
+    "ec_transfer_params": Refused(_NO_DISAGG),
+    "vllm_xargs": Refused("rlserve has no extensions that read request arguments"),
+    "repetition_detection": Refused("repetition detection is not implemented"),
+    "thinking_token_budget": Refused(_NO_REASONING, (None, -1)),
+    "reasoning_effort": Refused(_NO_REASONING),
+    "include_reasoning": Refused(_NO_REASONING, (None, True)),
+    "parallel_tool_calls": Refused("every tool call the model makes is returned: only true", (None, True)),
+    "stream_interval": Refused("rlserve streams every token: only 1", (None, 1)),
+}
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    if off is None or value is None:
+        return value is off
+    if isinstance(value, bool) or isinstance(off, bool):  # JSON's true is not 1
+        return type(value) is type(off) and value == off
+    return value == off
+
+
+def _refuse_fields(model: type[BaseModel], data: Any) -> Any:
+    """`data` without the fields of `REFUSED_FIELDS` that `model` lacks and that ask for nothing; 400 for the others."""
+    if not isinstance(data, dict):
+        return data
+    refused = [name for name in data if name in REFUSED_FIELDS and name not in model.model_fields]
+    for name in refused:
+        entry, value = REFUSED_FIELDS[name], data[name]
+        if not any(_is_off(value, off) for off in entry.off):
+            raise APIError(400, f"{name}: {entry.reason} (got {value!r})", name)
+    return {k: v for k, v in data.items() if k not in refused}
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -90,7 +160,6 @@ class StreamOptions(OpenAIBaseModel):
 # Options rlserve does not implement, with the values that mean "off": any other value is refused rather than
 # silently ignored (a client asking for penalties must not get unpenalized samples without knowing).
 _ONLY_OFF: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
@@ -127,10 +196,44 @@ class _GenerationRequest(OpenAIBaseModel):
     repetition_penalty: float | None = 1.0
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # vLLM's: keep only the prompt's last N tokens (-1: up to max_model_len), or its first N with truncation_side
+    # "right".
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool  # whether the tokenizer adds its special tokens (BOS) to the prompt; defaults differ
+    # The client's name for the request: /abort_requests takes it, and the engine's request ids derive from it.
+    request_id: str | None = Field(default=None, min_length=1)
+    # A prefix-cache namespace: requests with different salts never share cached blocks (vLLM's limits).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's: each choice's weight_versions as spans [{version, start, end}] of its output tokens (in a stream, on the
+    # choice's last chunk). Without it, rlserve's extension: every chunk's weight_versions lists each token's version.
+    return_weight_versions: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        return _refuse_fields(cls, data)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's tokens as `truncate_prompt_tokens` and `truncation_side` keep them."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = max_model_len
+        elif keep > max_model_len:
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens: {keep} is more than the model's maximum context length ({max_model_len})",
+                "truncate_prompt_tokens",
+            )
+        if len(token_ids) <= keep:
+            return token_ids
+        return token_ids[:keep] if self.truncation_side == "right" else token_ids[len(token_ids) - keep :]
 
     def check_supported(self) -> None:
         for name, off in _ONLY_OFF.items():
@@ -163,8 +266,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's default for completions
 
     def sampling_params(self) -> SamplingParams:
         self.check_supported()
@@ -185,18 +288,68 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's)
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back in a multi-turn conversation
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it: text content only."""
+    def text(self) -> str:
+        """The message's text: text content only."""
         content = self.content
         if isinstance(content, list):
             if any(part.type != "text" or part.text is None for part in content):
                 raise APIError(400, "messages: only text content parts are supported", "messages")
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        return content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: its text, and its tool fields when it has them. A call's
+        arguments reach the template as an object, as vLLM passes them (templates write them with `tojson`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError as e:
+                    raise APIError(400, f"messages: tool call arguments are not JSON: {e}", "messages") from e
+                calls.append({**call.model_dump(), "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        return message
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -205,7 +358,52 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message is left open for the model to continue (a prefilled turn); no generation prompt.
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's default for chat: the template places the special tokens
+    chat_template: str | None = None  # this request's Jinja template, in place of the server's
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None  # for templates that render retrieved documents
+    tools: list[Tool] | None = None
+    # vLLM's default: "auto" when tools are sent, else "none".
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # vLLM's: the reply starts with the last message's content, when that message has the reply's role.
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        explicit_prompt = self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set
+        if self.continue_final_message and explicit_prompt:
+            raise APIError(
+                400, "continue_final_message: cannot be used with add_generation_prompt=true", "continue_final_message"
+            )
+        if self.tools is not None and not self.tools:
+            raise APIError(400, "tools: must not be empty; omit the field for no tools", "tools")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        elif self.tool_choice != "none" and not self.tools:
+            raise APIError(400, "tool_choice: needs tools", "tool_choice")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise APIError(
+                400,
+                f"tool_choice: only 'auto' and 'none' are implemented: forcing a call needs guided decoding, which "
+                f"rlserve has not (got {self.tool_choice!r})",
+                "tool_choice",
+            )
+        return self
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the assistant's header: not when continuing the final message."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+    def echoed(self) -> str:
+        """What echo prepends to each reply: the last message's text, when its role is the reply's (vLLM's rule)."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.generation_prompt else last.role
+        return last.text() if last.role == role else ""
 
     def sampling_params(self) -> SamplingParams:
         self.check_supported()
@@ -254,12 +452,31 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class WeightVersionSpan(BaseModel):
+    """vLLM's: output tokens [start, end) were sampled by the weights labelled `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+def weight_version_spans(versions: list[str]) -> list[WeightVersionSpan]:
+    spans: list[WeightVersionSpan] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1].version == version:
+            spans[-1].end = i + 1
+        else:
+            spans.append(WeightVersionSpan(version=version, start=i, end=i + 1))
+    return spans
+
+
 class _ChoiceExtras(BaseModel):
     """rlserve/vLLM extensions on every choice."""
 
     stop_reason: int | str | None = None
-    # The weight version that sampled each output token (rlserve): RL clients see which policy produced what.
-    weight_versions: list[str] | None = None
+    # The weight versions that sampled the output: vLLM's spans with return_weight_versions, else each token's
+    # version (rlserve's): RL clients see which policy produced what.
+    weight_versions: list[WeightVersionSpan] | list[str] | None = None
     token_ids: list[int] | None = None  # with return_token_ids
 
 
@@ -308,6 +525,7 @@ class ChatCompletionLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(_ChoiceExtras):
@@ -328,9 +546,14 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaToolCall(ToolCall):
+    index: int  # the call's place among the choice's calls (OpenAI's streaming shape)
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(_ChoiceExtras):

@@ -23,6 +23,7 @@ from rlserve.server.defaults import (
     generation_defaults,
     load_chat_template,
 )
+from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -59,8 +60,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--max-loras",), _LORA, True),
     Unsupported(("--enable-expert-parallel", "-ep"), "expert parallelism is not supported yet (no MoE models yet)"),
     Unsupported(("--enable-return-routed-experts",), "routed experts are not returned yet (no MoE models yet)"),
-    Unsupported(("--tool-call-parser",), "tool-call parsing is not supported yet", True),
-    Unsupported(("--enable-auto-tool-choice",), "tool calls are not supported yet"),
     Unsupported(("--reasoning-parser",), "reasoning parsing is not supported yet", True),
 )
 
@@ -149,17 +148,32 @@ def _check_rl_api_auth(args: argparse.Namespace) -> None:
         )
 
 
+def _check_tool_calls(args: argparse.Namespace) -> None:
+    """vLLM's pair: --enable-auto-tool-choice needs a --tool-call-parser; a parser alone would parse nothing."""
+    parser = args.tool_call_parser
+    if parser is not None and parser not in TOOL_CALL_PARSERS:
+        implemented = ", ".join(TOOL_CALL_PARSERS)
+        raise ValueError(f"--tool-call-parser {parser}: not implemented (rlserve implements: {implemented})")
+    if args.enable_auto_tool_choice and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's tool calls)")
+    if parser is not None and not args.enable_auto_tool_choice:
+        raise ValueError(
+            f"--tool-call-parser {parser}: output is parsed for tool calls only with --enable-auto-tool-choice; add it"
+        )
+
+
 def _check_defaults(args: argparse.Namespace) -> None:
     sampling, unsupported = generation_defaults(args.model, args.generation_config)
     args.serving_defaults = ServingDefaults(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         chat_template=load_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
         sampling=sampling,
         unsupported=unsupported,
     )
 
 
-SERVE_CHECKS = (_check_model, _check_quantization, _check_rl_api_auth, _check_defaults)
+SERVE_CHECKS = (_check_model, _check_quantization, _check_rl_api_auth, _check_tool_calls, _check_defaults)
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -212,6 +226,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--chat-template", default=None, help="a Jinja file, or an inline template, for chat (default: the tokenizer's)"
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse chat output for tool calls when a request offers tools with tool_choice "auto" (its default)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help=f"the format of the model's tool calls: {', '.join(TOOL_CALL_PARSERS)} (<tool_call>{{json}}</tool_call>)",
     )
     serve.add_argument(
         "--generation-config",

@@ -202,6 +202,16 @@ def test_chat_template_is_a_file_or_inline_jinja(tmp_path: Path, capsys: pytest.
     assert "no such file, and not a Jinja template" in refused(capsys, "m", "--chat-template", "missing.jinja")
 
 
+def test_tool_call_flags_come_as_vllms_pair(capsys: pytest.CaptureFixture) -> None:
+    defaults = parse("m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes").serving_defaults
+    assert defaults.enable_auto_tool_choice and not parse("m").serving_defaults.enable_auto_tool_choice
+    assert "rlserve implements: hermes" in refused(
+        capsys, "m", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"
+    )
+    assert "needs --tool-call-parser" in refused(capsys, "m", "--enable-auto-tool-choice")
+    assert "--enable-auto-tool-choice" in refused(capsys, "m", "--tool-call-parser", "hermes")
+
+
 # ---- the RL routes' key ----
 
 
