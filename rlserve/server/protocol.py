@@ -93,10 +93,6 @@ _ONLY_OFF: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
 }
 
 
@@ -125,7 +121,9 @@ class _GenerationRequest(OpenAIBaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's keys are token ids as strings
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     best_of: int | None = None
 
     @property
@@ -145,6 +143,12 @@ class _GenerationRequest(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -157,6 +161,17 @@ class _GenerationRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias: dict[int, float] = {}
+        for token, value in self.logit_bias.items():
+            try:
+                bias[int(token)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias: keys must be token ids, got {token!r}", "logit_bias") from None
+        return bias
 
 
 class CompletionRequest(_GenerationRequest):

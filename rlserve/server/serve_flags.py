@@ -150,12 +150,10 @@ def _check_rl_api_auth(args: argparse.Namespace) -> None:
 
 
 def _check_defaults(args: argparse.Namespace) -> None:
-    sampling, unsupported = generation_defaults(args.model, args.generation_config)
     args.serving_defaults = ServingDefaults(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         chat_template=load_chat_template(args.chat_template),
-        sampling=sampling,
-        unsupported=unsupported,
+        sampling=generation_defaults(args.model, args.generation_config),
     )
 
 
