@@ -23,15 +23,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: disabled
     min_p: float = 0.0
-    # Penalties and masks on the logits before temperature (vLLM's and OpenAI's meanings): repetition divides positive
-    # logits of tokens seen in the prompt or output and multiplies negative ones; frequency and presence subtract per
-    # occurrence / once for tokens in the output.
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
-    allowed_token_ids: list[int] | None = None  # sample only among these
-    bad_words: list[str] | None = None  # never complete one of these words (their tokens, as vLLM matches them)
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
@@ -45,6 +36,15 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict = field(default_factory=dict)
+    # Penalties and masks on the logits before temperature (vLLM's and OpenAI's meanings; after the older fields, so
+    # that positional arguments keep their meaning): repetition divides positive logits of tokens seen in the prompt or
+    # output and multiplies negative ones; frequency and presence subtract per occurrence / once for output tokens.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never complete one of these words (their tokens, as vLLM matches them)
     # bad_words as token-id sequences, set by the front end's tokenizer (EngineFrontEnd.validate_prompt); the core
     # matches these. vLLM keeps the same under the same name.
     _bad_words_token_ids: list[list[int]] | None = None
