@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
+
+# vLLM's bound on a logit bias: larger values are clamped to it (+-100 already forces or forbids a token).
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -32,6 +36,18 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict = field(default_factory=dict)
+    # Penalties and masks on the logits before temperature (vLLM's and OpenAI's meanings; after the older fields, so
+    # that positional arguments keep their meaning): repetition divides positive logits of tokens seen in the prompt or
+    # output and multiplies negative ones; frequency and presence subtract per occurrence / once for output tokens.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never complete one of these words (their tokens, as vLLM matches them)
+    # bad_words as token-id sequences, set by the front end's tokenizer (EngineFrontEnd.validate_prompt); the core
+    # matches these. vLLM keeps the same under the same name.
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,7 +56,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM drops repeats
         self._validate()
+        if self.logit_bias:
+            self.logit_bias = {t: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b)) for t, b in self.logit_bias.items()}
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -72,6 +92,38 @@ class SamplingParams:
             raise bad("stop", "must not contain empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if self.logit_bias is not None and any(
+            not _is_token_id(t) or not isinstance(b, (int, float)) or math.isnan(b) for t, b in self.logit_bias.items()
+        ):
+            raise bad("logit_bias", "must map token ids (integers >= 0) to numbers")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or not all(_is_token_id(t) for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "must be non-empty strings")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether this request changes the logits before temperature (penalties, bias, masks): the engine prepares
+        the tensors for that only in steps that hold such a request."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
 
     @property
     def greedy(self) -> bool:
@@ -81,3 +133,7 @@ class SamplingParams:
         """Params of the index-th of n samples: seeds differ per sample so that n > 1 gives distinct samples."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -87,6 +87,8 @@ class EngineCore:
         """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words: not tokenized; requests reach the core through a front end's validate_prompt")
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -102,6 +104,7 @@ class EngineCore:
         )
         request.queued_ts = time.monotonic()
         self.requests[request_id] = request
+        self.runner.add_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:

@@ -32,5 +32,12 @@ class EngineLimits:
             k = getattr(params, name)
             if k is not None and k > limit:
                 raise ValueError(f"{name}: {k} is above the engine's limit min(max_logprobs, vocab size) = {limit}")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: ids must be below the vocabulary size {self.vocab_size}")
+        token_id_fields = {
+            "stop_token_ids": params.stop_token_ids,
+            "logit_bias": params.logit_bias or (),
+            "allowed_token_ids": params.allowed_token_ids or (),
+            "bad_words": [t for word in params.bad_words_token_ids or () for t in word],
+        }
+        for name, ids in token_id_fields.items():
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"{name}: ids must be below the vocabulary size {self.vocab_size}")

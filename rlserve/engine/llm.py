@@ -92,6 +92,24 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> t
     raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}")
 
 
+def tokenize_bad_words(tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> SamplingParams:
+    """`params` with its bad words as token-id sequences, as vLLM's update_from_tokenizer makes them: each word as
+    written (leading spaces stripped), and with a leading space where that gives a different first token and as many
+    tokens, so that the word is banned at the start of the text and after a space alike."""
+    if not params.bad_words:
+        return params
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} tokenizes to no token")
+        sequences.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            sequences.append(spaced)
+    return replace(params, _bad_words_token_ids=sequences)
+
+
 @dataclass(frozen=True)
 class ValidatedPrompt:
     """A prompt tokenized and checked, with `params`, against the engine's limits (`validate_prompt`): the engine
@@ -136,6 +154,7 @@ class EngineFrontEnd:
         """Tokenize `prompt` and check it with `params` against the engine's limits (length, vocabulary, logprobs):
         the one check of a request before it is queued. A ValueError names the offending field."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        params = tokenize_bad_words(self.tokenizer, params)
         self.limits.check(token_ids, params)
         return ValidatedPrompt(text, token_ids, params, prompt_cache_salt(prompt))
 

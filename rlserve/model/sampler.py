@@ -1,17 +1,18 @@
 """Sampling with per-request settings, and logprobs in the four modes of vLLM.
 
 Order (vLLM's): raw values are captured from the model's logits; then stop tokens are masked for requests below
-min_tokens, logits are divided by the temperature, and min-p, top-k and top-p mask tokens to -inf. What remains is
-the distribution actually sampled from: the "processed" values. Greedy rows take the argmax and skip temperature and
-truncation. Random rows use the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p and needs
-no host synchronisation; a request with a seed draws its E from its own generator, so its tokens do not depend on
-what else is in the batch.
+min_tokens, the requests' token masks, logit bias and penalties are applied (rlserve.model.logits_adjustments), logits
+are divided by the temperature, and min-p, top-k and top-p mask tokens to -inf. What remains is the distribution
+actually sampled from: the "processed" values (greedy rows: after the masks, bias and penalties, which change their
+argmax too). Greedy rows take the argmax and skip temperature and truncation. Random rows use the exponential race
+(argmax of p / E, E ~ Exp(1)), which samples exactly from p and needs no host synchronisation; a request with a seed
+draws its E from its own generator, so its tokens do not depend on what else is in the batch.
 
-On CUDA, a batch that uses temperature only (no min-p, top-k, top-p or min_tokens masking, no seeded request) and
-wants at most the chosen token's logprob goes to one fused Triton kernel (rlserve.model.kernels.fused_sampling)
-instead of the PyTorch passes below: the same distributions and the same logprob values and ranks, from one read of
-the logits in their own dtype (two with logprobs). Its random stream is keyed by a seed drawn from torch's CPU
-generator.
+On CUDA, a batch that uses temperature only (no min-p, top-k, top-p, min_tokens masking or logits adjustment, no
+seeded request) and wants at most the chosen token's logprob goes to one fused Triton kernel
+(rlserve.model.kernels.fused_sampling) instead of the PyTorch passes below: the same distributions and the same
+logprob values and ranks, from one read of the logits in their own dtype (two with logprobs). Its random stream is
+keyed by a seed drawn from torch's CPU generator.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.config import LogprobsMode
+from rlserve.model.logits_adjustments import LogitsAdjustments, apply_logits_adjustments
 
 
 @dataclass
@@ -37,6 +39,7 @@ class SamplingMetadata:
     max_num_logprobs: int  # -1: no row wants logprobs
     all_greedy: bool
     all_random: bool
+    adjustments: LogitsAdjustments | None = None  # penalties, bias and masks of the rows that use them
 
 
 @dataclass
@@ -109,6 +112,7 @@ def fused_path_applies(meta: SamplingMetadata) -> bool:
         and meta.top_p is None
         and meta.min_p is None
         and not meta.min_tokens_mask
+        and meta.adjustments is None
         and meta.max_num_logprobs <= 0
         and all(g is None for g in meta.generators)
     )
@@ -125,10 +129,12 @@ class Sampler:
             return self._sample_fused(logits, meta)
         logits = logits.float()
         raw = logits
-        if meta.min_tokens_mask:
-            logits = logits.clone()
-            for row, token_ids in meta.min_tokens_mask:
-                logits[row, token_ids] = float("-inf")
+        if meta.min_tokens_mask or meta.adjustments is not None:
+            logits = logits.clone()  # `raw` stays what the model computed
+        for row, token_ids in meta.min_tokens_mask:
+            logits[row, token_ids] = float("-inf")
+        if meta.adjustments is not None:
+            logits = apply_logits_adjustments(logits, meta.adjustments)
         greedy_tokens = None if meta.all_random else logits.argmax(-1)
         processed = logits
         if not meta.all_greedy:

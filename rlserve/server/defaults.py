@@ -14,18 +14,17 @@ from pydantic import BaseModel
 from rlserve.sampling_params import SamplingParams
 
 # The generation_config.json fields vLLM applies as request defaults (its ModelConfig.get_diff_sampling_param), each
-# to the SamplingParams field it sets, or None where rlserve has no such sampling option yet: those are named in a
-# start-up warning rather than dropped unnoticed.
-GENERATION_CONFIG_FIELDS: dict[str, str | None] = {
+# to the SamplingParams field it sets.
+GENERATION_CONFIG_FIELDS: dict[str, str] = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
     "skip_special_tokens": "skip_special_tokens",
     "max_new_tokens": "max_tokens",
-    "repetition_penalty": None,
-    "presence_penalty": None,
-    "frequency_penalty": None,
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
 }
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a directory
 JINJA_CHARS = "{}\n"  # vLLM's test: a --chat-template value holding one of these is a template, not a path
@@ -39,7 +38,6 @@ class ServingDefaults:
     # request offers tools with tool_choice "auto".
     enable_auto_tool_choice: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default; max_tokens is a bound
-    unsupported: dict[str, Any] = field(default_factory=dict)  # generation-config fields rlserve cannot apply yet
 
     def tokens_as_token_ids(self, req: BaseModel) -> bool:
         """The request's return_tokens_as_token_ids when it sends one (true or false), else the server's."""
@@ -59,24 +57,22 @@ class ServingDefaults:
         return dataclasses.replace(params, **updates) if updates else params
 
 
-def generation_defaults(model: str, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(SamplingParams defaults, fields rlserve cannot apply) from `--generation-config`: `vllm` none, `auto` the
-    model directory's generation_config.json (none when it has none, as vLLM), else that directory's."""
+def generation_defaults(model: str, source: str) -> dict[str, Any]:
+    """SamplingParams defaults from `--generation-config`: `vllm` none, `auto` the model directory's
+    generation_config.json (none when it has none, as vLLM), else that directory's."""
     from transformers import GenerationConfig
 
     if source == "vllm":
-        return {}, {}
+        return {}
     try:
         config = GenerationConfig.from_pretrained(model if source == "auto" else source, local_files_only=True)
     except OSError as e:
         if source == "auto":
-            return {}, {}
+            return {}
         raise ValueError(f"--generation-config {source}: no readable generation_config.json there ({e})") from e
     # What differs from transformers' GenerationConfig defaults (to_diff_dict), as vLLM reads the file.
-    values = {k: v for k, v in config.to_diff_dict().items() if k in GENERATION_CONFIG_FIELDS and v is not None}
-    sampling = {GENERATION_CONFIG_FIELDS[k]: v for k, v in values.items() if GENERATION_CONFIG_FIELDS[k] is not None}
-    unsupported = {k: v for k, v in values.items() if GENERATION_CONFIG_FIELDS[k] is None}
-    return sampling, unsupported
+    diff = config.to_diff_dict()
+    return {GENERATION_CONFIG_FIELDS[k]: v for k, v in diff.items() if k in GENERATION_CONFIG_FIELDS and v is not None}
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -28,8 +28,9 @@ from rlserve.server.protocol import (
 
 M = TypeVar("M", bound=BaseModel)
 
-# The server decides how outputs are delivered (stream or not); the engine's extras are not a client's to set.
-_SERVER_SET = frozenset({"output_kind", "extra_args"})
+# The server decides how outputs are delivered (stream or not); the engine's extras and the bad words' token ids (the
+# tokenizer's) are not a client's to set.
+_SERVER_SET = frozenset({"output_kind", "extra_args", "_bad_words_token_ids"})
 SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__) - _SERVER_SET
 _SAMPLING_ADAPTER = TypeAdapter(SamplingParams)
 
@@ -59,7 +60,7 @@ def parse_body(body: dict[str, Any], model: type[M]) -> M:
 def sampling_params_from_dict(fields: dict[str, Any], stream: bool) -> SamplingParams:
     """vLLM's `sampling_params` object as rlserve's SamplingParams, checked as the OpenAI routes check theirs.
 
-    A field rlserve lacks is refused by name, except vLLM's penalties and the like at their "off" values. An
+    A field rlserve lacks is refused by name, except vLLM's options of the OpenAI routes at their "off" values. An
     absent `max_tokens` means "up to max_model_len", as vLLM's generate route defaults it (not SamplingParams' 16).
     """
     fields = dict(fields)

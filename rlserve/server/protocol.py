@@ -106,8 +106,6 @@ REFUSED_FIELDS: dict[str, Refused] = {
     "length_penalty": Refused("beam search is not implemented", (None, 1.0)),
     "watermarking": Refused("watermarking is not implemented", (None, False)),
     "spaces_between_special_tokens": Refused("detokenization is not configurable in rlserve", (None, True)),
-    "allowed_token_ids": Refused("not implemented yet"),
-    "bad_words": Refused("not implemented yet", (None, [])),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not implemented; use logprobs / top_logprobs"),
     "prompt_embeds": Refused("prompt embeddings are not supported: send text or token ids"),
     "response_format": Refused(f"{_NO_GUIDED}: only {{'type': 'text'}}", (None, {"type": "text"})),
@@ -162,10 +160,6 @@ class StreamOptions(OpenAIBaseModel):
 _ONLY_OFF: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0),
-    "repetition_penalty": (None, 1.0),
 }
 
 
@@ -194,7 +188,9 @@ class _GenerationRequest(OpenAIBaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's keys are token ids as strings
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     best_of: int | None = None
     # vLLM's: keep only the prompt's last N tokens (-1: up to max_model_len), or its first N with truncation_side
     # "right".
@@ -248,6 +244,12 @@ class _GenerationRequest(OpenAIBaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -260,6 +262,17 @@ class _GenerationRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias: dict[int, float] = {}
+        for token, value in self.logit_bias.items():
+            try:
+                bias[int(token)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias: keys must be token ids, got {token!r}", "logit_bias") from None
+        return bias
 
 
 class CompletionRequest(_GenerationRequest):

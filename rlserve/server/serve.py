@@ -179,12 +179,6 @@ def _warn_at_start(args: argparse.Namespace) -> None:
     defaults = args.serving_defaults
     if defaults.sampling:
         logger.warning("request defaults from --generation-config %s: %s", args.generation_config, defaults.sampling)
-    if defaults.unsupported:
-        logger.warning(
-            "--generation-config %s: rlserve does not support %s yet; requests are sampled without them",
-            args.generation_config,
-            defaults.unsupported,
-        )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -163,13 +163,11 @@ def _check_tool_calls(args: argparse.Namespace) -> None:
 
 
 def _check_defaults(args: argparse.Namespace) -> None:
-    sampling, unsupported = generation_defaults(args.model, args.generation_config)
     args.serving_defaults = ServingDefaults(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        sampling=sampling,
-        unsupported=unsupported,
+        sampling=generation_defaults(args.model, args.generation_config),
     )
 
 

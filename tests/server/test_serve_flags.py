@@ -158,13 +158,18 @@ def write_generation_config(directory: Path, **values: Any) -> Path:
     return directory
 
 
-def test_generation_config_sets_the_defaults_rlserve_supports(tmp_path: Path, capsys) -> None:
+def test_generation_config_sets_the_request_defaults(tmp_path: Path, capsys) -> None:
     source = write_generation_config(
         tmp_path / "gen", temperature=0.6, top_k=20, top_p=1.0, max_new_tokens=5, repetition_penalty=1.1
     )
     defaults = parse("m", "--generation-config", str(source)).serving_defaults
-    assert defaults.sampling == {"temperature": 0.6, "top_k": 20, "top_p": 1.0, "max_tokens": 5}
-    assert defaults.unsupported == {"repetition_penalty": 1.1}
+    assert defaults.sampling == {
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 1.0,
+        "max_tokens": 5,
+        "repetition_penalty": 1.1,
+    }
     model = write_generation_config(tmp_path / "model", top_p=0.9)
     assert parse(str(model)).serving_defaults.sampling == {"top_p": 0.9}  # auto, the default: the model's file
     assert parse(str(model), "--generation-config", "vllm").serving_defaults.sampling == {}
@@ -173,10 +178,12 @@ def test_generation_config_sets_the_defaults_rlserve_supports(tmp_path: Path, ca
 
 
 def test_generation_defaults_fill_only_what_the_request_leaves_unset() -> None:
-    defaults = ServingDefaults(sampling={"temperature": 0.6, "top_k": 20, "max_tokens": 5})
+    defaults = ServingDefaults(sampling={"temperature": 0.6, "top_k": 20, "max_tokens": 5, "repetition_penalty": 1.1})
     request = CompletionRequest(prompt="x", temperature=0.2, max_tokens=3)
     params = defaults.apply(request, request.sampling_params())
-    assert (params.temperature, params.top_k, params.max_tokens) == (0.2, 20, 3)
+    assert (params.temperature, params.top_k, params.max_tokens, params.repetition_penalty) == (0.2, 20, 3, 1.1)
+    request = CompletionRequest(prompt="x", repetition_penalty=1.0)  # sent, even at its "off" value: the request's
+    assert defaults.apply(request, request.sampling_params()).repetition_penalty == 1.0
     request = CompletionRequest(prompt="x", max_tokens=100)  # vLLM: max_new_tokens bounds every request
     assert defaults.apply(request, request.sampling_params()).max_tokens == 5
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=None)
@@ -278,7 +285,7 @@ def launch(tmp_path: Path, *argv: str, env: dict[str, str] | None = None, header
 @pytest.fixture
 def vllm_style_server(tmp_path: Path) -> Iterator[Server]:
     """A framework's `vllm serve` command line with `vllm` replaced, on a model whose generation_config.json bounds
-    max_tokens at 3 and asks for a repetition penalty rlserve does not have yet."""
+    max_tokens at 3 and asks for a repetition penalty."""
     model = make_model_dir(tmp_path / "model", preset="tiny", initializer_range=0.2, max_position_embeddings=4096)
     config = json.loads((model / "generation_config.json").read_text())
     write_generation_config(model, **config, max_new_tokens=3, repetition_penalty=1.1)
@@ -320,7 +327,7 @@ def test_a_vllm_style_command_line_serves(vllm_style_server: Server) -> None:
         assert http.post("/v1/completions", json={**body, "model": "c"}).status_code == 404
     for key, status in (("k1", 200), ("k2", 200), ("k3", 401)):
         assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == status
-    assert "repetition_penalty" in server.log_tail(20000)  # named in a start-up warning, not dropped unnoticed
+    assert "repetition_penalty" in server.log_tail(20000)  # the request defaults are logged at start-up
 
 
 def test_dev_mode_rl_routes_answer_without_a_key(server_model_dir: Path, tmp_path: Path) -> None:

@@ -112,11 +112,13 @@ def test_generate_streams_and_refuses_bad_fields(http: httpx.Client) -> None:
     )
     assert_error(http.post(url, json={**good, "sampling_params": {"top_p": 7}}), 400, "sampling_params.top_p")
     assert_error(http.post(url, json={**good, "sampling_params": {"frobnicate": 1}}), 400, "sampling_params.frobnicate")
-    assert_error(
-        http.post(url, json={**good, "sampling_params": {"presence_penalty": 0.5}}),
-        400,
-        "sampling_params.presence_penalty",
-    )
+    for name, bad in (
+        ("presence_penalty", 2.5),
+        ("logit_bias", {"seven": 1.0}),
+        ("allowed_token_ids", []),
+        ("_bad_words_token_ids", [[1]]),  # the server's tokenizer makes these from bad_words
+    ):
+        assert_error(http.post(url, json={**good, "sampling_params": {name: bad}}), 400, f"sampling_params.{name}")
     assert_error(http.post(url, json={**good, "cache_salt": ""}), 400, "cache_salt")
     assert_error(http.post(url, json={**good, "features": {}}), 400, "features")
     assert_error(http.post(url, json={**good, "model": "other"}), 404, "model")

@@ -10,11 +10,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from rlserve.config import EngineConfig
-from rlserve.engine.request import PLACEHOLDER
+from rlserve.engine.request import PLACEHOLDER, Request
 from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
+from rlserve.engine.worker.logits_inputs import build_logits_adjustments
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
@@ -96,6 +97,8 @@ class ModelRunner:
         self.backend = create_attention_backend(config.attention_backend, self.device, config.batch_invariant)
         self.model.set_batch_invariant(config.batch_invariant)
         self.sampler = Sampler(config.logprobs_mode, batch_invariant=config.batch_invariant)
+        # Unfinished requests with penalties, logit bias or token masks: while none is, a step builds nothing for them.
+        self._adjusting_logits: set[str] = set()
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         # Pinned staging for each step's copies (CUDA only): 16 MiB per step covers batches of 16k tokens.
@@ -289,7 +292,7 @@ class ModelRunner:
             self.staging.next_step()
         inputs = self._gather_inputs(scheduled, prev)
         hidden = self._forward(inputs, prev)
-        sampled_token_ids, logprobs = self._sample(hidden, scheduled, inputs)
+        sampled_token_ids, logprobs = self._sample(hidden, scheduled, inputs, prev)
         prompt_logprobs = self._compute_prompt_logprobs(hidden, scheduled, inputs)
         # Start the copies back now; `resolve` waits for them (and so for the whole step) only when it needs them.
         step = LaunchedStep(
@@ -402,7 +405,7 @@ class ModelRunner:
         return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
 
     def _sample(
-        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs, prev: LaunchedStep | None
     ) -> tuple[torch.Tensor, LogprobsTensors | None]:
         """The next token (and its logprobs) of every request whose step reaches its last known token."""
         if not inputs.sample_rows:
@@ -411,7 +414,7 @@ class ModelRunner:
         if len(inputs.logits_indices) != hidden.shape[0]:
             hidden = hidden[self._host_tensor(inputs.logits_indices, torch.long)]
         logits = self.model.compute_logits(hidden, self.fp32_head)
-        out = self.sampler(logits, self._sampling_metadata(requests))
+        out = self.sampler(logits, self._sampling_metadata(requests, prev))
         return out.token_ids, out.logprobs
 
     def _compute_prompt_logprobs(
@@ -424,11 +427,17 @@ class ModelRunner:
         k = max(scheduled[i].request.sampling_params.prompt_logprobs for i, _, _ in inputs.prompt_rows)
         return gather_logprobs(values, k, self._host_tensor(inputs.prompt_targets, torch.long))
 
+    def add_request(self, request: Request) -> None:
+        """Note a new request's needs (once, so that steps need not look for them)."""
+        if request.sampling_params.adjusts_logits:
+            self._adjusting_logits.add(request.request_id)
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's host-side state."""
         self.block_table_buffer.release(request_id)
+        self._adjusting_logits.discard(request_id)
 
-    def _sampling_metadata(self, requests) -> SamplingMetadata:
+    def _sampling_metadata(self, requests: list[Request], prev: LaunchedStep | None) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         vocab = self.spec.vocab_size
@@ -439,6 +448,12 @@ class ModelRunner:
         any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True))
         any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        adjustments = None
+        if self._adjusting_logits:  # empty on the common path, which then pays nothing for these
+            rows = [i for i, r in enumerate(requests) if r.request_id in self._adjusting_logits]
+            if rows:
+                prev_sampled, prev_index = (None, {}) if prev is None else (prev.sampled_token_ids, prev.sample_index)
+                adjustments = build_logits_adjustments(requests, rows, self._host_tensor, prev_sampled, prev_index)
         return SamplingMetadata(
             temperature=column(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
@@ -454,6 +469,7 @@ class ModelRunner:
             max_num_logprobs=max(wanted) if wanted else -1,
             all_greedy=all(greedy),
             all_random=not any(greedy),
+            adjustments=adjustments,
         )
 
     # ---- sleep: give the device memory back (a colocated trainer needs it), and take it again ----
