@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,3 +110,18 @@ async def read_stream(client: httpx.AsyncClient, path: str, body: dict, into: St
             if line.startswith("data: "):
                 stream.add(line[len("data: ") :])
     return stream
+
+
+def launch(
+    tmp_path: Path, *argv: str, env: dict[str, str] | None = None, headers: dict[str, str] | None = None
+) -> Server:
+    """A real `rlserve serve` with this command line on 127.0.0.1 (the caller waits for it with
+    conftest._wait_healthy and stops it with conftest._stop)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "rlserve.cli", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
+    # Neither a key nor vLLM dev mode from the environment: the command line says what the test means.
+    environment = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_SERVER_DEV_MODE")}
+    log = tmp_path / f"serve-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**environment, **(env or {})})
+    return Server(f"http://127.0.0.1:{port}", proc, log, headers or {})

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +13,7 @@ import httpx
 import pytest
 import torch
 from conftest import _stop, _wait_healthy
-from server_helpers import Server, free_port
+from server_helpers import Server, launch
 
 from rlserve import LLM, SamplingParams
 from rlserve.cli import build_parser
@@ -269,17 +266,6 @@ def test_llm_takes_model_as_a_keyword(server_model_dir: Path) -> None:
         assert len(out.outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
-
-
-def launch(tmp_path: Path, *argv: str, env: dict[str, str] | None = None, headers: dict[str, str] | None = None):
-    """A real `rlserve serve` with this command line on 127.0.0.1 (the caller stops it with conftest._stop)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "rlserve.cli", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
-    environment = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", DEV_MODE_ENV)}
-    log = tmp_path / f"serve-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**environment, **(env or {})})
-    return Server(f"http://127.0.0.1:{port}", proc, log, headers or {})
 
 
 @pytest.fixture
