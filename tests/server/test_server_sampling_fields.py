@@ -3,6 +3,7 @@ tokens, and a bad value answered as a 400 naming the field."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from server_helpers import API_KEY, MODEL_NAME, Server
@@ -14,6 +15,14 @@ MAX_TOKENS = 32
 @pytest.fixture
 def oai(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_a_bad_word_never_appears(oai: openai.OpenAI, server: Server) -> None:
+    plain = completion_tokens(oai)
+    word = max(set(plain), key=plain.count)  # the plain run's most repeated token
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+        text = http.post("/detokenize", json={"tokens": [word]}).json()["prompt"]
+    assert word not in completion_tokens(oai, extra_body={"bad_words": [text]})
 
 
 def completion_tokens(oai: openai.OpenAI, temperature: float = 0.0, **kwargs) -> list[int]:
@@ -34,6 +43,10 @@ def test_penalty_bias_and_allowed_tokens_change_the_samples(oai: openai.OpenAI) 
 
     allowed = completion_tokens(oai, temperature=1.0, seed=1, extra_body={"allowed_token_ids": [40, 97]})
     assert set(allowed) == {40, 97}
+
+    # OpenAI's two penalties act on the tokens already generated: the greedy repeats of the plain run change.
+    for field in ("presence_penalty", "frequency_penalty"):
+        assert completion_tokens(oai, **{field: 2.0}) != plain, field
 
     chat = oai.chat.completions.create(
         model=MODEL_NAME,
