@@ -102,9 +102,13 @@ class AsyncLLM(EngineFrontEnd):
         prompt: PromptType | ValidatedPrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas).
-        A prompt from `validate_prompt` is queued as it is, with the params it was checked with."""
+        A prompt from `validate_prompt` is queued as it is, with the params it was checked with. `session_id` (the
+        server's `X-Session-ID`): requests of one session go to the same data-parallel rank, whose prefix cache
+        holds the earlier turns."""
         self._bind_loop()
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}")
@@ -119,7 +123,8 @@ class AsyncLLM(EngineFrontEnd):
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
-            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)])
+            request = AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)
+            self.client.add([request], session_id)
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):
