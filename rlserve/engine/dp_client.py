@@ -65,7 +65,9 @@ class DPRouter:
         key = self.affinity_key(request, session_id)
         rank = self._affinity.get(key)
         if rank is None:
-            rank = min(range(self.size), key=self.in_flight.__getitem__)
+            # Fewest in flight; on a tie the rank that served fewer so far, so that requests sent one at a time
+            # take turns rather than all landing on rank 0.
+            rank = min(range(self.size), key=lambda r: (self.in_flight[r], self.num_routed[r]))
         self._affinity[key] = rank
         self._affinity.move_to_end(key)
         if len(self._affinity) > self.max_affinity_keys:
@@ -268,8 +270,11 @@ class DPAsyncMPClient(_DPClientBase):
     """`AsyncLLM`'s client of `data_parallel_size` core processes: one `AsyncMPClient` per rank on one event loop.
     The outputs of every rank reach `on_outputs`; the death of any core is the engine's (`on_dead`)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config, AsyncMPClient)
+    def __init__(
+        self, config: EngineConfig, make_rank: Callable[[EngineConfig], AsyncMPClient] = AsyncMPClient
+    ) -> None:
+        """`make_rank`: the client of one rank's core, given its config (by default it starts the core)."""
+        super().__init__(config, make_rank)
         self.on_outputs: Callable[[list[EngineCoreOutput]], None] = lambda outputs: None
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead: str | None = None
