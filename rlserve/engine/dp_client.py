@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -224,14 +225,18 @@ class DPMPClient(_DPClientBase):
         for rank in self.ranks:
             self.poller.register(rank.socket, zmq.POLLIN)
         self._by_socket = {rank.socket: rank for rank in self.ranks}
+        self._last_liveness_check = time.monotonic()
 
     def connect(self) -> dict[str, Any]:
         return _same("engine_info", [rank.connect() for rank in self.ranks])
 
     def _receive(self) -> None:
-        """Wait until some rank sent something (checking that every core lives) and file it."""
+        """Wait until some rank sent something and file it; check that every core lives at least once per
+        LIVENESS_INTERVAL_S, even while the others keep sending (a call waits on all ranks)."""
         ready = self.poller.poll(int(LIVENESS_INTERVAL_S * 1000))
-        if not ready:
+        now = time.monotonic()
+        if not ready or now - self._last_liveness_check > LIVENESS_INTERVAL_S:
+            self._last_liveness_check = now
             for rank in self.ranks:
                 rank.check_alive()
         for socket, _ in ready:

@@ -9,6 +9,7 @@ serves the whole module (each costs two core processes).
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from process_tree import engine_core_pids, survivors
 
 from rlserve import LLM, SamplingParams
 from rlserve.config import EngineConfig
+from rlserve.engine.core_client import EngineDeadError
 from rlserve.engine.dp_client import DPRouter, combined
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, UtilityResult
 
@@ -157,4 +159,16 @@ def test_shutdown_stops_every_core(qwen3_dir, make_llm) -> None:
     cores = [rank.process.pid for rank in llm.client.ranks]
     assert len(set(cores)) == 2 and set(cores) <= set(engine_core_pids(os.getpid())) - before
     llm.shutdown()
+    assert not survivors(cores)
+
+
+def test_a_dead_rank_fails_the_engine(qwen3_dir, make_llm) -> None:
+    llm = make_llm(qwen3_dir, data_parallel_size=2)
+    cores = [rank.process.pid for rank in llm.client.ranks]
+    try:
+        os.kill(cores[1], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"died \(killed by SIGKILL\)"):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
     assert not survivors(cores)
