@@ -6,7 +6,7 @@ rlserve.engine.args derives the command-line flags from them, so a field and its
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
@@ -86,6 +86,15 @@ class EngineConfig:
     weight_transfer_config: WeightTransferConfig | None = _option(
         None, 'JSON, e.g. \'{"backend": "nccl"}\'; enables live weight updates'
     )
+    data_parallel_size: int = _option(
+        1,
+        "engine cores behind the one front end (vLLM's option), each a process with a whole copy of the model: on "
+        "CUDA core i runs on cuda:i; requests go to the least-loaded core, requests sharing a prefix to the same one",
+    )
+    # Which of the data_parallel_size cores this config is for: set by the front end for each core it starts
+    # (for_data_parallel_rank), never a flag (vLLM's --data-parallel-rank starts one core of an externally
+    # load-balanced deployment, which rlserve does not offer).
+    data_parallel_rank: int = field(default=0, metadata={"help": "index of this engine core among the DP ranks"})
 
     def __post_init__(self) -> None:
         # Resolved once, here, so the config every process receives names the device it runs on.
@@ -103,3 +112,20 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in 0..{self.data_parallel_size - 1}, got {self.data_parallel_rank}"
+            )
+        own_gpu = f"cuda:{self.data_parallel_rank}"
+        if self.data_parallel_size > 1 and self.device.startswith("cuda:") and self.device != own_gpu:
+            raise ValueError(
+                f"device: data-parallel core {self.data_parallel_rank} runs on {own_gpu}, not {self.device}; give "
+                "device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+
+    def for_data_parallel_rank(self, rank: int) -> EngineConfig:
+        """The config of engine core `rank`: on CUDA it takes the rank's own GPU, on CPU it shares the host."""
+        device = f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+        return replace(self, data_parallel_rank=rank, device=device)

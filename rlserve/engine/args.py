@@ -24,8 +24,9 @@ from rlserve.config import EngineConfig, WeightTransferConfig
 
 VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
-# Not a flag: `rlserve serve` takes the model as a positional argument, `rlserve generate` as an optional one.
-NOT_FLAGS = frozenset({"model"})
+# Not flags: `rlserve serve` takes the model as a positional argument, `rlserve generate` as an optional one; the
+# front end sets each core's data-parallel rank itself.
+NOT_FLAGS = frozenset({"model", "data_parallel_rank"})
 
 
 TAKES_ARGUMENT: Any = object()  # FlagAlias.value of an alias that takes the field's argument
@@ -41,7 +42,10 @@ class FlagAlias:
 
 
 # The derived names already cover today's --no-async-scheduling and --batch-invariant.
-FLAG_ALIASES: tuple[FlagAlias, ...] = (FlagAlias("--no-prefix-caching", "enable_prefix_caching", False),)
+FLAG_ALIASES: tuple[FlagAlias, ...] = (
+    FlagAlias("--no-prefix-caching", "enable_prefix_caching", False),
+    FlagAlias("-dp", "data_parallel_size"),  # vLLM's short form
+)
 
 
 def engine_fields() -> list[dataclasses.Field]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlserve.config import EngineConfig
 from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
@@ -25,6 +26,7 @@ from rlserve.engine.core_client import (
     registered_backends,
 )
 from rlserve.engine.core_proc import CoreProcess
+from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
 from rlserve.outputs import RequestOutput
@@ -43,23 +45,49 @@ class _Stream:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def start_shared_core(model: str, **kwargs: Any) -> CoreProcess:
-    """An engine-core process for several front ends (`AsyncLLM(model, core_address=..., core_pid=...)` each), as
-    the API servers of `rlserve serve --api-server-count N` share one. Returns once it serves."""
+def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
+    """The engine-core processes (one per data-parallel rank) for several front ends (`AsyncLLM(model,
+    shared_cores=[(address, pid), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
+    them. Returns once every core serves."""
     config = make_engine_config(model, **kwargs)
-    core = CoreProcess(config, registered_backends(config))
-    core.wait_ready()
-    return core
+    cores: list[CoreProcess] = []
+    try:
+        for rank in range(config.data_parallel_size):  # started together, waited for together
+            rank_config = config.for_data_parallel_rank(rank)
+            cores.append(CoreProcess(rank_config, registered_backends(rank_config)))
+        for core in cores:
+            core.wait_ready()
+    except BaseException:
+        for core in cores:
+            core.shutdown()
+        raise
+    return cores
+
+
+def _shared_client(shared_cores: Sequence[tuple[str, int]]) -> Callable[[EngineConfig], Any]:
+    """A client of cores another process started: (address, pid) per data-parallel rank."""
+
+    def rank_client(config: EngineConfig) -> AsyncMPClient:
+        address, pid = shared_cores[config.data_parallel_rank]
+        return AsyncMPClient(address=address, pid=pid)
+
+    def make(config: EngineConfig) -> Any:
+        if len(shared_cores) != config.data_parallel_size:
+            raise ValueError(
+                f"shared_cores: {len(shared_cores)} cores given for data_parallel_size {config.data_parallel_size}"
+            )
+        return DPAsyncMPClient(config, rank_client) if config.data_parallel_size > 1 else rank_client(config)
+
+    return make
 
 
 class AsyncLLM(EngineFrontEnd):
-    def __init__(self, model: str, *, core_address: str | None = None, core_pid: int | None = None, **kwargs: Any):
-        """`core_address`/`core_pid`: connect to an engine core another process started (the API servers of
-        `rlserve serve --api-server-count N` share one) instead of starting one."""
-        if core_address is not None:
-            super().__init__(model, lambda config: AsyncMPClient(address=core_address, pid=core_pid), **kwargs)
-        else:
-            super().__init__(model, make_async_client, **kwargs)
+    def __init__(self, model: str, *, shared_cores: Sequence[tuple[str, int]] | None = None, **kwargs: Any):
+        """`shared_cores`: (address, pid) of each engine core (one per data-parallel rank) that another process
+        started, to connect to instead of starting them (the API servers of `rlserve serve --api-server-count N`
+        share them)."""
+        make_client = make_async_client if shared_cores is None else _shared_client(shared_cores)
+        super().__init__(model, make_client, **kwargs)
         self.client.on_outputs = self._on_core_outputs
         self.client.on_dead = self._on_core_dead
         self.model_name = model
@@ -102,9 +130,13 @@ class AsyncLLM(EngineFrontEnd):
         prompt: PromptType | ValidatedPrompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas).
-        A prompt from `validate_prompt` is queued as it is, with the params it was checked with."""
+        A prompt from `validate_prompt` is queued as it is, with the params it was checked with. `session_id` (the
+        server's `X-Session-ID`): requests of one session go to the same data-parallel rank, whose prefix cache
+        holds the earlier turns."""
         self._bind_loop()
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}")
@@ -119,7 +151,8 @@ class AsyncLLM(EngineFrontEnd):
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
-            self.client.add([AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)])
+            request = AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)
+            self.client.add([request], session_id)
             while True:
                 out = await stream.queue.get()
                 if isinstance(out, BaseException):

@@ -346,7 +346,7 @@ class EngineCore:
             )
         if self.weight_transfer is None:
             self.weight_transfer = WeightTransferEngineFactory.create_engine(
-                self.config.weight_transfer_config, self.runner.device
+                self.config.weight_transfer_config, self.runner.device, self.config.data_parallel_rank
             )
         self.weight_transfer.init_transfer_engine(self.weight_transfer.parse_init_info(init_info))
 

@@ -3,7 +3,9 @@
 `LLM` uses a synchronous client, `AsyncLLM` an asyncio one; each comes in two transports with the same surface:
 `add` and `abort` (fire and forget), `call(method, *args)` for control calls (a typed result or the core's error
 raised again here), and the step outputs (pulled by `get_outputs` or pushed to `on_outputs`). If the core process
-dies, everything pending fails with `EngineDeadError` within a second and every later call does too.
+dies, everything pending fails with `EngineDeadError` within a second and every later call does too. With
+`data_parallel_size` > 1 the clients of dp_client.py put several cores behind the same surface (`add`'s
+`session_id` is their routing affinity; one core has nothing to route).
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class InprocClient:
     def send_result(self, client, result: UtilityResult) -> None:
         self._results[result.call_id] = result
 
-    def add(self, requests: list[AddRequest]) -> None:
+    def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
         self.service.handle(IN_PROCESS, AddRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
@@ -186,33 +188,53 @@ class MPClient:
     def _receive(self) -> None:
         """Wait for one message (checking that the core lives) and file it."""
         while not self.socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
-            if not self.process.is_alive():
-                self.dead = self.process.death_reason()
-                raise EngineDeadError(self.dead)
+            self.check_alive()
+        self.read()
+
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            self.dead = self.process.death_reason()
+            raise EngineDeadError(self.dead)
+
+    def read(self) -> None:
+        """File one message that the socket holds."""
         message = self.codec.output_decoder.decode(self.socket.recv(copy=False))
         if isinstance(message, StepOutputs):
             self._outputs += unpack_outputs(message)
         else:
             self._results[message.call_id] = message
 
-    def add(self, requests: list[AddRequest]) -> None:
+    def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
         self._send(AddRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(AbortRequests(list(request_ids)))
 
-    def call(self, method: str, *args: Any) -> Any:
+    def start_call(self, method: str, *args: Any) -> int:
+        """Send a control call; its result is filed under the returned id (see `result`)."""
         call_id = next(self._ids)
         self._send(UtilityCall(call_id, method, list(args)))
+        return call_id
+
+    def result(self, call_id: int) -> UtilityResult | None:
+        """The result of a call `start_call` sent, once it has been read."""
+        return self._results.pop(call_id, None)
+
+    def call(self, method: str, *args: Any) -> Any:
+        call_id = self.start_call(method, *args)
         while call_id not in self._results:
             self._receive()
         return raise_for(self._results.pop(call_id))
 
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs read so far (none waited for)."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
     def get_outputs(self) -> list[EngineCoreOutput]:
         if not self._outputs:
             self._receive()
-        outputs, self._outputs = self._outputs, []
-        return outputs
+        return self.take_outputs()
 
     def shutdown(self) -> None:
         self.socket.close(linger=0)
@@ -220,7 +242,21 @@ class MPClient:
         self.process.shutdown()
 
 
-def make_client(config: EngineConfig) -> InprocClient | MPClient:
+def _check_data_parallel(config: EngineConfig) -> bool:
+    """Whether `config` asks for several cores (each then needs a process of its own)."""
+    if config.data_parallel_size > 1 and not multiprocessing_enabled():
+        raise ValueError(
+            f"data_parallel_size: {config.data_parallel_size} engine cores run in processes of their own; unset "
+            "RLSERVE_ENABLE_MULTIPROCESSING=0 (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    return config.data_parallel_size > 1
+
+
+def make_client(config: EngineConfig) -> Any:
+    if _check_data_parallel(config):
+        from rlserve.engine.dp_client import DPMPClient  # it builds on the clients here
+
+        return DPMPClient(config)
     return MPClient(config) if multiprocessing_enabled() else InprocClient(config)
 
 
@@ -244,12 +280,8 @@ class AsyncClientBase:
 
     def _file_result(self, result: UtilityResult) -> None:
         future = self._pending.pop(result.call_id, None)
-        if future is None or future.done():
-            return
-        try:
-            future.set_result(raise_for(result))
-        except BaseException as e:
-            future.set_exception(e)
+        if future is not None and not future.done():
+            future.set_result(result)
 
     def _die(self, reason: str, stopped: bool = False) -> None:
         if self.dead is not None:
@@ -268,13 +300,17 @@ class AsyncClientBase:
             raise EngineDeadError(self.dead)
 
     async def call(self, method: str, *args: Any) -> Any:
+        return raise_for(await self.call_raw(method, *args))
+
+    async def call_raw(self, method: str, *args: Any) -> UtilityResult:
+        """The call's result as the core sent it, its error not raised yet."""
         self._check_alive()
         call_id = next(self._ids)
         future = self._pending[call_id] = self.loop.create_future()
         self._send(UtilityCall(call_id, method, list(args)))
         return await future
 
-    def add(self, requests: list[AddRequest]) -> None:
+    def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
         self._check_alive()
         self._send(AddRequests(requests))
 
@@ -410,5 +446,9 @@ class AsyncMPClient(AsyncClientBase):
             self.process.shutdown()
 
 
-def make_async_client(config: EngineConfig) -> AsyncInprocClient | AsyncMPClient:
+def make_async_client(config: EngineConfig) -> Any:
+    if _check_data_parallel(config):
+        from rlserve.engine.dp_client import DPAsyncMPClient  # it builds on the clients here
+
+        return DPAsyncMPClient(config)
     return AsyncMPClient(config) if multiprocessing_enabled() else AsyncInprocClient(config)

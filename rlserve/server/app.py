@@ -74,6 +74,7 @@ T = TypeVar("T")
 PositionLogprobsList = list[PositionLogprobs | None]
 
 API_KEY_ENV = "RLSERVE_API_KEY"
+SESSION_HEADER = "X-Session-ID"  # vLLM's (and vllm-router's) session affinity
 # Names a ValueError from SamplingParams or the engine may start with (see APIError.from_value_error).
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "prompt_token_ids"}
 
@@ -250,14 +251,19 @@ class OpenAIServing:
         return validated
 
     async def _generate(
-        self, request_id: str, prompts: list[ValidatedPrompt]
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The engine outputs of every prompt of one API request, tagged with the prompt's index."""
+        """The engine outputs of every prompt of one API request, tagged with the prompt's index. `X-Session-ID`
+        (vLLM's routing affinity) sends a session's requests to one data-parallel rank, whose prefix cache holds
+        the earlier turns."""
+        session_id = raw.headers.get(SESSION_HEADER)
         self._claim(request_id)  # again: another request may have taken the id since this one was checked
         if len(prompts) == 1:
             self.active[request_id] = [request_id]
             try:
-                async with aclosing(self.engine.generate(prompts[0], request_id=request_id)) as outputs:
+                async with aclosing(
+                    self.engine.generate(prompts[0], request_id=request_id, session_id=session_id)
+                ) as outputs:
                     async for out in outputs:
                         yield 0, out
             finally:
@@ -269,7 +275,9 @@ class OpenAIServing:
 
         async def pump(i: int) -> None:
             try:
-                async with aclosing(self.engine.generate(prompts[i], request_id=engine_ids[i])) as outputs:
+                async with aclosing(
+                    self.engine.generate(prompts[i], request_id=engine_ids[i], session_id=session_id)
+                ) as outputs:
                     async for out in outputs:
                         queue.put_nowait((i, out, None))
             except Exception as e:
@@ -290,9 +298,11 @@ class OpenAIServing:
                 task.cancel()
             self.active.pop(request_id, None)
 
-    async def _final_outputs(self, request_id: str, prompts: list[ValidatedPrompt]) -> list[RequestOutput]:
+    async def _final_outputs(
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
+    ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async with aclosing(self._generate(request_id, prompts)) as outputs:
+        async with aclosing(self._generate(request_id, prompts, raw)) as outputs:
             async for i, out in outputs:
                 finals[i] = out
         return finals
@@ -388,10 +398,10 @@ class OpenAIServing:
             def usage_chunk(usage: UsageInfo) -> BaseModel:
                 return CompletionStreamResponse(id=response_id, model=self.model_name, choices=[], usage=usage)
 
-            body = self._stream(self._generate(request_id, prompts), n, req.include_usage, chunk, usage_chunk, [])
+            body = self._stream(self._generate(request_id, prompts, raw), n, req.include_usage, chunk, usage_chunk, [])
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         usage = _Usage()
@@ -518,11 +528,11 @@ class OpenAIServing:
             if echoed:
                 first_chunks += [preamble(DeltaMessage(content=echoed), i) for i in range(params.n)]
             body = self._stream(
-                self._generate(request_id, prompts), params.n, req.include_usage, chunk, usage_chunk, first_chunks
+                self._generate(request_id, prompts, raw), params.n, req.include_usage, chunk, usage_chunk, first_chunks
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals
@@ -560,8 +570,7 @@ class OpenAIServing:
 
     async def generate_tokens(self, req: GenerateRequest, raw: Request) -> Response:
         """Token ids in, token ids (and logprobs with integer token ids) out. The client's `request_id` names the
-        request for /abort_requests. `X-Session-ID` is vLLM's routing affinity across engines: with one engine
-        every request of a session already reaches the same prefix cache, so there is nothing to route."""
+        request for /abort_requests."""
         self._check_model(req.model)
         params = sampling_params_from_dict(req.sampling_params, req.stream)
         rename = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
@@ -593,11 +602,11 @@ class OpenAIServing:
                 return GenerateStreamResponse(request_id=request_id, choices=[], usage=usage)
 
             body = self._stream(
-                self._generate(request_id, prompts), params.n, req.include_usage, chunk, usage_chunk, []
+                self._generate(request_id, prompts, raw), params.n, req.include_usage, chunk, usage_chunk, []
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals

@@ -211,7 +211,9 @@ def build_rl_router(
 
     @router.get("/get_world_size")
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:
-        return {"world_size": 1}  # one engine, one worker: no TP/PP/DP yet
+        """vLLM's: the workers of one data-parallel rank (TP x PP, one here), times the ranks with `include_dp`:
+        what a trainer sizes its weight-transfer group by (world_size = trainer ranks + this)."""
+        return {"world_size": engine.config.data_parallel_size if include_dp else 1}
 
     @router.post("/abort_requests")
     async def abort_requests(request: Request) -> dict[str, Any]:

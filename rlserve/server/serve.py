@@ -1,10 +1,11 @@
-"""`rlserve serve MODEL`: the engine core in its own process, and one or more API server processes in front of it.
+"""`rlserve serve MODEL`: the engine core in its own process (one per rank with `--data-parallel-size`), and one or
+more API server processes in front of it.
 
-With `--api-server-count 1` (the default) this process is the API server and starts the core itself. With N > 1 it
-starts the core, binds the port once and hands the listening socket to N API server processes, each a client of the
-same core (vLLM's layout); it then only supervises: if the core or an API server dies, the others are stopped and
-the command exits non-zero. If the core dies, every pending request fails with 503 within a second, `/health`
-answers 503, and the server exits with status 1.
+With `--api-server-count 1` (the default) this process is the API server and starts the cores itself. With N > 1 it
+starts the cores, binds the port once and hands the listening socket to N API server processes, each a client of
+every core (vLLM's layout; each routes by the requests it has in flight); it then only supervises: if a core or an
+API server dies, the others are stopped and the command exits non-zero. If a core dies, every pending request fails
+with 503 within a second, `/health` answers 503, and the server exits with status 1.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tempfile
 from collections.abc import Callable
 
 from rlserve.engine.args import engine_kwargs
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_core
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
 from rlserve.server.app import build_app
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
@@ -96,10 +97,8 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _run_api_server(
-    args: argparse.Namespace, sock: socket.socket, core_address: str | None, core_pid: int | None
-) -> int:
-    engine = AsyncLLM(args.model, core_address=core_address, core_pid=core_pid, **engine_kwargs(args))
+def _run_api_server(args: argparse.Namespace, sock: socket.socket, shared_cores: list[tuple[str, int]] | None) -> int:
+    engine = AsyncLLM(args.model, shared_cores=shared_cores, **engine_kwargs(args))
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
             return runner.run(_serve_until_engine_dies(engine, args, sock))
@@ -107,20 +106,20 @@ def _run_api_server(
         engine.shutdown()
 
 
-def _api_server_process(args: argparse.Namespace, sock: socket.socket, core_address: str, core_pid: int) -> None:
+def _api_server_process(args: argparse.Namespace, sock: socket.socket, shared_cores: list[tuple[str, int]]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us with SIGTERM
     configure_logging(args.log_level)
-    sys.exit(_run_api_server(args, sock, core_address, core_pid))
+    sys.exit(_run_api_server(args, sock, shared_cores))
 
 
 def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
-    """Start the core and args.api_server_count API servers; return when one of them ends (or on SIGTERM)."""
-    core = start_shared_core(args.model, **engine_kwargs(args))
+    """Start the cores (one per data-parallel rank) and args.api_server_count API servers, each a client of every
+    core; return when one of them ends (or on SIGTERM)."""
+    cores = start_shared_cores(args.model, **engine_kwargs(args))
+    shared = [(core.address, core.pid) for core in cores]
     context = multiprocessing.get_context("spawn")
     servers = [
-        context.Process(
-            target=_api_server_process, args=(args, sock, core.address, core.pid), name=f"rlserve-api-{i}", daemon=True
-        )
+        context.Process(target=_api_server_process, args=(args, sock, shared), name=f"rlserve-api-{i}", daemon=True)
         for i in range(args.api_server_count)
     ]
     stop = False
@@ -139,13 +138,14 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
         for server in servers:
             server.start()
         del os.environ[MULTIPROC_DIR_ENV]
-        sentinels = [core.process.sentinel] + [s.sentinel for s in servers]
+        sentinels = [core.process.sentinel for core in cores] + [s.sentinel for s in servers]
         while not stop and not multiprocessing.connection.wait(sentinels, timeout=0.2):
             pass
         if stop:
             return 0
-        if not core.is_alive():
-            logger.error("%s", core.death_reason())
+        dead_cores = [core for core in cores if not core.is_alive()]
+        if dead_cores:
+            logger.error("%s", dead_cores[0].death_reason())
             # The API servers see it too, answer 503 for a moment and exit; then we do.
             for server in servers:
                 server.join(DEAD_ENGINE_GRACE_S + 5)
@@ -159,7 +159,8 @@ def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
                 server.terminate()
         for server in servers:
             server.join(10)
-        core.shutdown()
+        for core in cores:
+            core.shutdown()
         os.environ.pop(MULTIPROC_DIR_ENV, None)
         metrics_dir.cleanup()
         for sig, handler in previous.items():
@@ -190,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = _listening_socket(args.host, args.port)
     try:
         if args.api_server_count == 1:
-            return _run_api_server(args, sock, None, None)
+            return _run_api_server(args, sock, None)
         return _supervise(args, sock)
     except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down in order and passes the signal on; a stop, not an error
         return 0

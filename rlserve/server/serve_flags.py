@@ -47,13 +47,6 @@ _LORA = "LoRA adapters are not supported yet"
 _NOT_YET = "parallelism is not supported yet"
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--tensor-parallel-size", "-tp"), f"{_ONE_GPU}: tensor {_NOT_YET}", True, "1"),
-    Unsupported(
-        ("--data-parallel-size", "-dp"),
-        f"{_ONE_GPU}: data {_NOT_YET} (start one server per replica; "
-        "rlserve.rl.client.AsyncRLServeGroup drives several)",
-        True,
-        "1",
-    ),
     Unsupported(("--pipeline-parallel-size", "-pp"), f"{_ONE_GPU}: pipeline {_NOT_YET}", True, "1"),
     Unsupported(("--enable-lora",), _LORA),
     Unsupported(("--max-lora-rank",), _LORA, True),

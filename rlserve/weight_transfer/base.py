@@ -89,6 +89,9 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
     update_info_cls: ClassVar[type[WeightTransferUpdateInfo]]
+    # This worker's index among all the engine's workers (vLLM: dp_rank * TP * PP + rank within the DP group), set
+    # by the factory: a backend with one group for every worker (nccl) takes its rank from it.
+    worker_index: int = 0
 
     def __init__(self, config: WeightTransferConfig, device: torch.device) -> None:
         self.config = config

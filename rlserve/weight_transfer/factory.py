@@ -95,8 +95,13 @@ class WeightTransferEngineFactory:
         return loader()
 
     @classmethod
-    def create_engine(cls, config: WeightTransferConfig, device: torch.device | str) -> WeightTransferEngine:
-        return cls.get_engine_cls(config.backend)(config, torch.device(device))
+    def create_engine(
+        cls, config: WeightTransferConfig, device: torch.device | str, worker_index: int = 0
+    ) -> WeightTransferEngine:
+        """The backend for the worker `worker_index` of the engine (the data-parallel rank: one worker per core)."""
+        engine = cls.get_engine_cls(config.backend)(config, torch.device(device))
+        engine.worker_index = worker_index  # set here, not passed: backends' constructors keep vLLM's signature
+        return engine
 
 
 WeightTransferEngineFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLWeightTransferEngine")

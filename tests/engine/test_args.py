@@ -15,6 +15,7 @@ from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.engine import args as args_module
 from rlserve.engine.args import (
     FLAG_ALIASES,
+    NOT_FLAGS,
     TAKES_ARGUMENT,
     FlagAlias,
     add_engine_arguments,
@@ -57,7 +58,7 @@ def other_value(f: dataclasses.Field) -> Any:
 def test_every_field_but_the_model_is_a_flag_with_help() -> None:
     options = parser()._option_string_actions
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert {f.name for f in engine_fields()} == names - {"model"}
+    assert {f.name for f in engine_fields()} == names - NOT_FLAGS
     for f in engine_fields():
         assert f.metadata["help"], f"{f.name} has no help"
         assert options[flag_name(f.name)].dest == f.name

@@ -101,10 +101,12 @@ class Stream:
         return sum(c.num_tokens for c in self.choices.values())
 
 
-async def read_stream(client: httpx.AsyncClient, path: str, body: dict, into: Stream | None = None) -> Stream:
+async def read_stream(
+    client: httpx.AsyncClient, path: str, body: dict, into: Stream | None = None, headers: dict | None = None
+) -> Stream:
     """POST a streaming request and parse every SSE event; `into` lets a caller watch the stream as it grows."""
     stream = into if into is not None else Stream()
-    async with client.stream("POST", path, json={**body, "stream": True}) as response:
+    async with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as response:
         assert response.status_code == 200, (await response.aread()).decode()
         async for line in response.aiter_lines():
             if line.startswith("data: "):

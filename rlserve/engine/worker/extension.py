@@ -13,8 +13,8 @@ from rlserve.engine.worker.model_runner import ModelRunner
 
 
 class Worker:
-    """rlserve runs one worker per engine, in the engine's own process: its tensor, pipeline and data-parallel ranks
-    are all 0."""
+    """rlserve runs one worker per engine core, in the core's own process: its tensor and pipeline ranks are 0, and
+    so is `rank` (as in vLLM, the rank among the workers of its data-parallel rank)."""
 
     rank = 0
     local_rank = 0
