@@ -84,18 +84,26 @@ class WeightCheckerRequest(OpenAIBaseModel):
     baseline: dict[str, StrictStr] | ChecksumsBody | None = None
 
 
-async def _engine_call(call: Awaitable[T], param: str | None = None, fields: Collection[str] = ()) -> T:
+async def _engine_call(
+    call: Awaitable[T], param: str | None = None, fields: Collection[str] = (), data_param: str | None = None
+) -> T:
+    """`data_param`: the field whose free-form data (init_info, update_info, args) the call carries to the core."""
     try:
         return await call
     except ValueError as e:
         raise APIError.from_value_error(e, fields, param) from e
     except RuntimeError as e:
         raise APIError(409, str(e), param) from e
+    except OverflowError as e:  # the message to the core process carries integers of 64 bits at most
+        where = data_param or param
+        raise APIError(400, f"{where or 'request body'}: a number out of range ({e})", where) from e
 
 
 def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
     """The real path of `weight_dir` if it lies under a directory the operator allowed (--allowed-weight-dirs);
     links are resolved first, so none leads out of them."""
+    if "\0" in weight_dir:  # no path holds one (os.path raises ValueError)
+        raise APIError(400, "weight_dir: holds a NUL character", "weight_dir")
     real = os.path.realpath(weight_dir)
     roots = [os.path.realpath(a) for a in allowed]
     if not any(os.path.commonpath([real, root]) == root for root in roots):
@@ -169,7 +177,9 @@ def build_rl_router(
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
         # Blocks until the trainer joins the group (the trainer calls trainer_init concurrently).
-        await _engine_call(engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info")
+        await _engine_call(
+            engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
+        )
         return {"message": "Weight transfer initialized"}
 
     @router.post("/start_weight_update")
@@ -197,7 +207,7 @@ def build_rl_router(
             raise APIError(400, "update_info: required (or weight_dir)", "update_info")
         updates = body.update_info if isinstance(body.update_info, list) else [body.update_info]
         for update in updates:
-            await _engine_call(engine.update_weights({"update_info": update}), "update_info")
+            await _engine_call(engine.update_weights({"update_info": update}), "update_info", data_param="update_info")
         return {"message": "Weights updated"}
 
     @router.post("/shutdown_weight_transfer_engine")
@@ -244,7 +254,9 @@ def build_rl_router(
         call = asyncio.ensure_future(engine.collective_rpc(method, None, tuple(body.args), body.kwargs))
         try:
             # shield: a timeout must not cancel the call's future, whose result the core still sends.
-            results = await _engine_call(asyncio.wait_for(asyncio.shield(call), body.timeout), "method")
+            results = await _engine_call(
+                asyncio.wait_for(asyncio.shield(call), body.timeout), "method", data_param="args"
+            )
         except TimeoutError:
             timed_out_rpcs[method] = call
             call.add_done_callback(_log_late_rpc(method, time.monotonic()))
