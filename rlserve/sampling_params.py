@@ -68,8 +68,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", "must be >= 0")
+        # NaN passes every comparison, so ranges are written to fail for it; temperature has no upper bound.
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise bad("temperature", "must be a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= 2**63 - 1 - self.n):
@@ -98,9 +99,10 @@ class SamplingParams:
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
         if self.logit_bias is not None and any(
-            not _is_token_id(t) or not isinstance(b, (int, float)) or math.isnan(b) for t, b in self.logit_bias.items()
+            not _is_token_id(t) or not isinstance(b, (int, float)) or not math.isfinite(b)
+            for t, b in self.logit_bias.items()
         ):
-            raise bad("logit_bias", "must map token ids (integers >= 0) to numbers")
+            raise bad("logit_bias", "must map token ids (integers >= 0) to finite numbers")
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids or not all(_is_token_id(t) for t in self.allowed_token_ids)
         ):

@@ -3,6 +3,8 @@ of `worker_extension_cls` and `collective_rpc`: its methods run on the engine's 
 
 from __future__ import annotations
 
+import time
+
 from safetensors.torch import load_file
 
 
@@ -15,6 +17,11 @@ class CheckpointLoader:
 
     def describe(self) -> dict:
         return {"rank": self.rank, "local_rank": self.local_rank, "device": str(self.device)}
+
+    def nap(self, seconds: float) -> float:
+        """Hold the engine core for `seconds`, as a slow extension method does."""
+        time.sleep(seconds)
+        return seconds
 
     def fail(self) -> None:
         raise ValueError("value: the extension refused")

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -36,6 +37,7 @@ from rlserve.server.generate_protocol import (
     sampling_params_from_dict,
     tokens_logprobs,
 )
+from rlserve.server.guards import RequestGuard, check_prompt_chars, check_sampling_limits, error_response
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (
     APIError,
@@ -77,10 +79,6 @@ API_KEY_ENV = "RLSERVE_API_KEY"
 SESSION_HEADER = "X-Session-ID"  # vLLM's (and vllm-router's) session affinity
 # Names a ValueError from SamplingParams or the engine may start with (see APIError.from_value_error).
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "prompt_token_ids"}
-
-
-def _error_json(error: APIError) -> JSONResponse:
-    return JSONResponse(error.response().model_dump(), status_code=error.code)
 
 
 # JSON may hold U+0085, U+2028 and U+2029 raw, and clients that split lines as str.splitlines does (httpx's
@@ -187,6 +185,13 @@ class OpenAIServing:
         self.defaults = defaults
         # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
         self.active: dict[str, list[str]] = {}
+        # Tokenizing and chat templates run here, not on the event loop, which every stream and /health share: a
+        # long prompt takes the tokenizer seconds. One thread: HF tokenizers are not safe to call from several.
+        self._prompt_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-prompts")
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """`work()` (prompt preparation: tokenizing, rendering, validating) on the prompt thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, work)
 
     # ---- shared ----
 
@@ -216,6 +221,7 @@ class OpenAIServing:
         prompts: list[PromptType] = []
         for p in req.prompts():
             if isinstance(p, str):
+                check_prompt_chars(p, self.engine.max_model_len, "prompt")
                 ids = self.engine.tokenizer(p, add_special_tokens=req.add_special_tokens).input_ids
                 prompts.append(self._tokenized(req, p, ids))
             else:
@@ -232,6 +238,10 @@ class OpenAIServing:
     ) -> list[ValidatedPrompt]:
         """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts)."""
         max_model_len = self.engine.max_model_len
+        try:
+            check_sampling_limits(params, len(prompts))
+        except ValueError as e:
+            raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
         validated = []
         for prompt in prompts:
             try:
@@ -363,7 +373,7 @@ class OpenAIServing:
             params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
-        prompts = self._validate(self._completion_prompts(req), params, rename)
+        prompts = await self.off_loop(lambda: self._validate(self._completion_prompts(req), params, rename))
         response_id, request_id = self._request_ids(req, "cmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         weight_versions = _WeightVersions(req)
@@ -428,6 +438,16 @@ class OpenAIServing:
     # ---- /v1/chat/completions ----
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """The engine prompt of a chat request (blocking: call it off the event loop)."""
+        if req.chat_template is not None and not self.defaults.trust_request_chat_template:
+            # vLLM's rule: a template is code the server runs (Jinja loops can spin for hours), so only a server
+            # that trusts its clients lets them send one.
+            raise APIError(
+                400,
+                "chat_template: a request's own chat template needs the server started with "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
         tokenizer = self.engine.tokenizer
         try:
             text = render_chat(
@@ -442,6 +462,7 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise APIError.from_value_error(e, {"messages", "chat_template_kwargs"}, "messages") from e
+        check_prompt_chars(text, self.engine.max_model_len, "messages")
         # By default (vLLM's for chat) the template alone places the special tokens: none are added a second time.
         return self._tokenized(req, text, tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids)
 
@@ -471,7 +492,7 @@ class OpenAIServing:
         if parse_tools and "skip_special_tokens" not in req.model_fields_set:
             # vLLM's: a model's tool-call tags may be special tokens, which the parser must see.
             params = dataclasses.replace(params, skip_special_tokens=False)
-        prompts = self._validate([self._chat_prompt(req)], params, rename)
+        prompts = await self.off_loop(lambda: self._validate([self._chat_prompt(req)], params, rename))
         response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         weight_versions = _WeightVersions(req)
@@ -576,7 +597,7 @@ class OpenAIServing:
         rename = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
         rename |= {"prompt": "token_ids", "prompt_token_ids": "token_ids"}
         prompt = {"prompt_token_ids": req.token_ids, "cache_salt": req.cache_salt}
-        prompts = self._validate([prompt], params, rename)
+        prompts = await self.off_loop(lambda: self._validate([prompt], params, rename))
         request_id = req.request_id or new_id("generate")
         self._claim(request_id)
 
@@ -648,30 +669,38 @@ class OpenAIServing:
             "cache_salt": checked.cache_salt,
         }
 
-    def render_completion(self, req: CompletionRequest) -> list[dict]:
+    async def render_completion(self, req: CompletionRequest) -> list[dict]:
         self._check_model(req.model)
-        prompts = self._completion_prompts(req)
-        base = new_id("cmpl")
-        ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        rename = {"prompt_token_ids": "prompt"}
-        return [self._render(rid, req, p, rename) for rid, p in zip(ids, prompts, strict=True)]
 
-    def render_chat(self, req: ChatCompletionRequest) -> dict:
+        def render() -> list[dict]:
+            prompts = self._completion_prompts(req)
+            base = new_id("cmpl")
+            ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
+            rename = {"prompt_token_ids": "prompt"}
+            return [self._render(rid, req, p, rename) for rid, p in zip(ids, prompts, strict=True)]
+
+        return await self.off_loop(render)
+
+    async def render_chat(self, req: ChatCompletionRequest) -> dict:
         """vLLM's GenerateRequest, plus `prompt`: the text the chat template made (rlserve's); of a truncated
         prompt, the text of the tokens kept."""
         self._check_model(req.model)
-        prompt = self._chat_prompt(req)
         rename = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
-        text = prompt.get("prompt") or self.engine.tokenizer.decode(prompt["prompt_token_ids"])
-        return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": text}
+
+        def render() -> dict:
+            prompt = self._chat_prompt(req)
+            text = prompt.get("prompt") or self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+            return {**self._render(new_id("chatcmpl"), req, prompt, rename), "prompt": text}
+
+        return await self.off_loop(render)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error_json(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -687,20 +716,18 @@ def _install_error_handlers(app: FastAPI) -> None:
             return str(error.get("msg"))
 
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {describe(e)}" for e in errors)
-        return _error_json(APIError(400, message or "invalid request", param))
+        return error_response(APIError(400, message or "invalid request", param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_json(APIError(exc.status_code, str(exc.detail)))
+        return error_response(APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_json(APIError(503, f"the engine is gone: {exc}"))
+        return error_response(APIError(503, f"the engine is gone: {exc}"))
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return _error_json(APIError(500, f"internal error: {exc!r}"))
+    # Any other exception: RequestGuard's 500 (a handler for Exception would run in Starlette's outermost
+    # middleware, which re-raises it after answering, and uvicorn then drops the client's connection).
 
 
 def build_app(
@@ -722,12 +749,14 @@ def build_app(
         raise ValueError(
             "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
         )
+    defaults = defaults or ServingDefaults()
     app = FastAPI(title="rlserve", version=rlserve.__version__)
+    app.add_middleware(RequestGuard, max_body_bytes=defaults.max_request_body_bytes)
     metrics = ServerMetrics(engine, model_names[0])
-    serving = OpenAIServing(engine, model_names, defaults or ServingDefaults())
+    serving = OpenAIServing(engine, model_names, defaults)
     auth = make_auth(api_keys)
     _install_error_handlers(app)
-    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413)}
 
     @app.get("/health")
     @app.get("/health/", include_in_schema=False)  # TRL's spelling: answered here, not with a redirect

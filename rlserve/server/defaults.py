@@ -1,6 +1,6 @@
 """Server-wide request defaults: what `--generation-config`, `--chat-template`, `--return-tokens-as-token-ids` and
 `--enable-auto-tool-choice` set, applied to every request that does not set the field itself (vLLM's semantics for
-each)."""
+each); and what every request is held to (`--trust-request-chat-template`, `--max-request-body-bytes`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from rlserve.sampling_params import SamplingParams
+from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 # The generation_config.json fields vLLM applies as request defaults (its ModelConfig.get_diff_sampling_param), each
 # to the SamplingParams field it sets.
@@ -38,6 +39,10 @@ class ServingDefaults:
     # request offers tools with tool_choice "auto".
     enable_auto_tool_choice: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default; max_tokens is a bound
+    # --trust-request-chat-template: a chat request's `chat_template` replaces the server's (vLLM's flag; off, such a
+    # request is refused: the template is code the server runs).
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # larger bodies are refused with 413
 
     def tokens_as_token_ids(self, req: BaseModel) -> bool:
         """The request's return_tokens_as_token_ids when it sends one (true or false), else the server's."""

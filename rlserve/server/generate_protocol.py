@@ -1,8 +1,9 @@
 """vLLM's token-in/token-out wire format (`POST /inference/v1/generate`, and the `/v1/*/render` routes that produce
 its requests): token ids in, token ids and logprobs with integer token ids out.
 
-Bodies are parsed by `parse_body`, not by FastAPI, so that every bad input (malformed JSON, a wrong type, an unknown
-field, a bad sampling value) is a 400 naming the field, as the OpenAI SDK's `BadRequestError` expects.
+Every bad input (malformed JSON, a wrong type, an unknown field, a bad sampling value) is a 400 naming the field, as
+the OpenAI SDK's `BadRequestError` expects: from the server's validation handler, or `parse_body` where a route
+parses a body itself.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import re
 from dataclasses import asdict
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from rlserve.outputs import CompletionOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 from rlserve.server.protocol import (
     _ONLY_OFF,
     APIError,
+    OpenAIBaseModel,
     PromptLogprobs,
     StreamOptions,
     UsageInfo,
@@ -32,7 +34,7 @@ M = TypeVar("M", bound=BaseModel)
 # tokenizer's) are not a client's to set.
 _SERVER_SET = frozenset({"output_kind", "extra_args", "_bad_words_token_ids"})
 SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__) - _SERVER_SET
-_SAMPLING_ADAPTER = TypeAdapter(SamplingParams)
+_SAMPLING_ADAPTER = TypeAdapter(SamplingParams)  # non-finite floats: SamplingParams refuses them itself
 
 
 def validation_error(exc: ValidationError, prefix: str = "") -> APIError:
@@ -86,10 +88,9 @@ def sampling_params_dict(params: SamplingParams) -> dict[str, Any]:
     return {k: v for k, v in asdict(params).items() if k in SAMPLING_KEYS}
 
 
-class _StrictModel(BaseModel):
-    # vLLM fields rlserve does not implement (multimodal features, disaggregated-serving parameters, text and
-    # derender output modes, ...) are refused by name rather than dropped.
-    model_config = ConfigDict(extra="forbid")
+class _StrictModel(OpenAIBaseModel):
+    """vLLM fields rlserve does not implement (multimodal features, disaggregated-serving parameters, text and
+    derender output modes, ...) are refused by name rather than dropped; numbers are finite, strings Unicode text."""
 
 
 class GenerateRequest(_StrictModel):

@@ -4,66 +4,106 @@ Unlike vLLM, which serves them unauthenticated in dev mode, every route here dep
 generation and overwrite the model. Errors: a ValueError (bad input) is a 400 naming the field, a RuntimeError (a call
 out of lifecycle order, e.g. update before start) a 409; neither takes the server down.
 
-Bodies are read by hand rather than by pydantic so that malformed JSON is a 400, as in vLLM.
+Bodies are pydantic models (in the OpenAPI document, so clients and fuzzers see them): malformed JSON, a body that
+is not UTF-8, a wrong type or an unknown field is a 400 naming the field (the server's validation handler).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.messages import SLEEP_MODES
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import APIError
+from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# The shortest /collective_rpc timeout accepted. The engine core runs a call between steps and cannot interrupt it,
+# so a call that times out still runs to its end; and it starts only after the step in progress (up to hundreds of
+# milliseconds under load). A shorter timeout would measure that queue rather than the method, and leave most calls
+# running with nobody waiting for them.
+MIN_RPC_TIMEOUT_S = 1.0
 
-async def _json_body(request: Request, required: bool = False) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise APIError(400, "request body: expected a JSON object")
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"request body: not valid JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise APIError(400, f"request body: expected a JSON object, got {type(body).__name__}")
-    return body
+# A weight version: a string, or an integer (step counters), never a boolean or a float that str() would mangle.
+Version = StrictStr | StrictInt
 
 
-def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], required: bool = False) -> Any:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise APIError(400, f"{name}: required", name)
-        return None
-    if not isinstance(value, kind):
-        raise APIError(400, f"{name}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}", name)
-    return value
+class InitWeightTransferRequest(OpenAIBaseModel):
+    init_info: dict[str, Any]  # the backend's rendezvous fields, checked by the backend
 
 
-async def _engine_call(call: Awaitable[T], param: str | None = None, fields: Collection[str] = ()) -> T:
+class StartWeightUpdateRequest(OpenAIBaseModel):
+    is_checkpoint_format: StrictBool = True
+
+
+class UpdateWeightsRequest(OpenAIBaseModel):
+    """vLLM's `update_info` (or a list of them), or prime-rl's `weight_dir`: exactly one."""
+
+    update_info: dict[str, Any] | Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
+    weight_dir: StrictStr | None = None
+
+
+class FinishWeightUpdateRequest(OpenAIBaseModel):
+    weight_version: Version | None = None
+
+
+class UpdateWeightVersionRequest(OpenAIBaseModel):
+    new_version: Version
+
+
+class CollectiveRPCRequest(OpenAIBaseModel):
+    method: StrictStr
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = Field(default=None, ge=MIN_RPC_TIMEOUT_S)
+
+
+class AbortRequestsRequest(OpenAIBaseModel):
+    request_ids: list[StrictStr] | None = None  # None: every request in flight
+
+
+class ChecksumsBody(OpenAIBaseModel):
+    checksums: dict[str, str]
+
+
+class WeightCheckerRequest(OpenAIBaseModel):
+    action: Literal["checksum", "compare", "reset"]
+    # compare's expected checksums: a map of them, or a checksum response; none: the ones kept by action=checksum
+    baseline: dict[str, StrictStr] | ChecksumsBody | None = None
+
+
+async def _engine_call(
+    call: Awaitable[T], param: str | None = None, fields: Collection[str] = (), data_param: str | None = None
+) -> T:
+    """`data_param`: the field whose free-form data (init_info, update_info, args) the call carries to the core."""
     try:
         return await call
     except ValueError as e:
         raise APIError.from_value_error(e, fields, param) from e
     except RuntimeError as e:
         raise APIError(409, str(e), param) from e
+    except OverflowError as e:  # the message to the core process carries integers of 64 bits at most
+        where = data_param or param
+        raise APIError(400, f"{where or 'request body'}: a number out of range ({e})", where) from e
 
 
 def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
     """The real path of `weight_dir` if it lies under a directory the operator allowed (--allowed-weight-dirs);
     links are resolved first, so none leads out of them."""
+    if "\0" in weight_dir:  # no path holds one (os.path raises ValueError)
+        raise APIError(400, "weight_dir: holds a NUL character", "weight_dir")
     real = os.path.realpath(weight_dir)
     roots = [os.path.realpath(a) for a in allowed]
     if not any(os.path.commonpath([real, root]) == root for root in roots):
@@ -93,6 +133,8 @@ def build_rl_router(
 
     router = APIRouter(dependencies=[Depends(auth), Depends(timed)], tags=["rl"])
     checksum_baseline: dict[str, dict[str, str]] = {}  # "baseline" -> the last checksum taken, for compare
+    # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
+    timed_out_rpcs: dict[str, asyncio.Future] = {}
 
     @router.post("/pause")
     async def pause(
@@ -133,16 +175,16 @@ def build_rl_router(
         return {"is_sleeping": await engine.is_sleeping()}
 
     @router.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(request: Request) -> dict[str, str]:
+    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
         # Blocks until the trainer joins the group (the trainer calls trainer_init concurrently).
-        init_info = _field(await _json_body(request, required=True), "init_info", dict, required=True)
-        await _engine_call(engine.init_weight_transfer_engine({"init_info": init_info}), "init_info")
+        await _engine_call(
+            engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
+        )
         return {"message": "Weight transfer initialized"}
 
     @router.post("/start_weight_update")
-    async def start_weight_update(request: Request) -> dict[str, str]:
-        body = await _json_body(request)
-        if _field(body, "is_checkpoint_format", bool) is False:
+    async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, str]:
+        if body is not None and not body.is_checkpoint_format:
             raise APIError(
                 400, "is_checkpoint_format: rlserve loads checkpoint-format names only", "is_checkpoint_format"
             )
@@ -151,23 +193,21 @@ def build_rl_router(
         return {"message": "Weight update started"}
 
     @router.post("/update_weights")
-    async def update_weights(request: Request) -> dict[str, str]:
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, str]:
         """vLLM's `{"update_info": {...}}` or a list of them, applied in order (an update refused part-way leaves
         the earlier ones applied, as in vLLM); or prime-rl's `{"weight_dir": PATH}`, a checkpoint directory the
         trainer wrote, loaded in place (checked whole first, so a refused one changes nothing)."""
-        body = await _json_body(request, required=True)
-        if "weight_dir" in body:
-            if "update_info" in body:
+        if body.weight_dir is not None:
+            if body.update_info is not None:
                 raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
-            weight_dir = _allowed_weight_dir(_field(body, "weight_dir", str, required=True), allowed_weight_dirs)
+            weight_dir = _allowed_weight_dir(body.weight_dir, allowed_weight_dirs)
             await _engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
             return {"message": "Weights updated"}
-        update_info = _field(body, "update_info", (dict, list), required=True)
-        updates = update_info if isinstance(update_info, list) else [update_info]
-        if not updates or not all(isinstance(u, dict) for u in updates):
-            raise APIError(400, "update_info: expected an object or a non-empty list of objects", "update_info")
+        if body.update_info is None:
+            raise APIError(400, "update_info: required (or weight_dir)", "update_info")
+        updates = body.update_info if isinstance(body.update_info, list) else [body.update_info]
         for update in updates:
-            await _engine_call(engine.update_weights({"update_info": update}), "update_info")
+            await _engine_call(engine.update_weights({"update_info": update}), "update_info", data_param="update_info")
         return {"message": "Weights updated"}
 
     @router.post("/shutdown_weight_transfer_engine")
@@ -176,15 +216,15 @@ def build_rl_router(
         return {"message": "Weight transfer shut down"}
 
     @router.post("/finish_weight_update")
-    async def finish_weight_update(request: Request) -> dict[str, str]:
-        version = _field(await _json_body(request), "weight_version", (str, int))
+    async def finish_weight_update(body: FinishWeightUpdateRequest | None = None) -> dict[str, str]:
+        version = None if body is None else body.weight_version
         await _engine_call(engine.finish_weight_update(None if version is None else str(version)), "weight_version")
         metrics.weight_update_finished()
         return {"message": "Weight update finished"}
 
     @router.post("/update_weight_version")
-    async def update_weight_version(request: Request) -> dict[str, Any]:
-        version = str(_field(await _json_body(request, required=True), "new_version", (str, int), required=True))
+    async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
+        version = str(body.new_version)
         await _engine_call(engine.update_weight_version(version), "new_version")
         return {"success": True, "new_version": version}
 
@@ -194,19 +234,37 @@ def build_rl_router(
         return {"weight_version": await engine.get_weight_version()}
 
     @router.post("/collective_rpc")
-    async def collective_rpc(request: Request) -> dict[str, list[Any]]:
+    async def collective_rpc(body: CollectiveRPCRequest) -> dict[str, list[Any]]:
+        """`timeout`: at least MIN_RPC_TIMEOUT_S. When it expires the answer is a 504, and since the core cannot
+        interrupt a call, the call still runs: until it returns, further calls are refused (409) rather than queued
+        behind it unseen, and its end is logged."""
         # Only the methods of the server's --worker-extension-cls, never the worker's own attributes: the caller
         # names code the operator installed, it cannot reach into the engine.
-        body = await _json_body(request, required=True)
-        method = _field(body, "method", str, required=True)
+        method = body.method
         allowed = engine.worker_extension_methods()
         if method not in allowed:
             message = f"method: {method!r} is not a method of the worker extension (callable: {sorted(allowed)})"
             raise APIError(400, message, "method")
-        args = _field(body, "args", list) or []
-        kwargs = _field(body, "kwargs", dict) or {}
-        timeout = _field(body, "timeout", (int, float))
-        results = await _engine_call(engine.collective_rpc(method, timeout, tuple(args), kwargs), "method")
+        for earlier, running in list(timed_out_rpcs.items()):
+            if running.done():
+                del timed_out_rpcs[earlier]
+            else:
+                message = f"method: an earlier call of {earlier!r} timed out and still runs in the engine core"
+                raise APIError(409, message, "method")
+        call = asyncio.ensure_future(engine.collective_rpc(method, None, tuple(body.args), body.kwargs))
+        try:
+            # shield: a timeout must not cancel the call's future, whose result the core still sends.
+            results = await _engine_call(
+                asyncio.wait_for(asyncio.shield(call), body.timeout), "method", data_param="args"
+            )
+        except TimeoutError:
+            timed_out_rpcs[method] = call
+            call.add_done_callback(_log_late_rpc(method, time.monotonic()))
+            message = (
+                f"timeout: {method!r} did not return within {body.timeout:g} s; the engine core cannot interrupt it, "
+                "so it runs on (other calls are refused until it returns) and its result is dropped"
+            )
+            raise APIError(504, message, "timeout") from None
         return {"results": [_jsonable(r) for r in results]}
 
     @router.get("/get_world_size")
@@ -216,8 +274,8 @@ def build_rl_router(
         return {"world_size": engine.config.data_parallel_size if include_dp else 1}
 
     @router.post("/abort_requests")
-    async def abort_requests(request: Request) -> dict[str, Any]:
-        wanted = _field(await _json_body(request), "request_ids", list)
+    async def abort_requests(body: AbortRequestsRequest | None = None) -> dict[str, Any]:
+        wanted = None if body is None else body.request_ids
         ids = list(active_requests) if wanted is None else [r for r in wanted if r in active_requests]
         engine_ids = [e for rid in ids for e in active_requests.get(rid, [])]
         if engine_ids:
@@ -233,27 +291,37 @@ def build_rl_router(
         return {"success": True}
 
     @router.post("/weight_checker")
-    async def weight_checker(request: Request) -> dict[str, Any]:
+    async def weight_checker(body: WeightCheckerRequest) -> dict[str, Any]:
         """`checksum`: SHA-256 per checkpoint tensor (kept as the baseline); `compare`: against `baseline` (a
         checksum map, or a checksum response) or the kept one; `reset`: forget the kept baseline."""
-        body = await _json_body(request, required=True)
-        action = _field(body, "action", str, required=True)
+        action = body.action
         if action == "checksum":
             checksums = await _engine_call(engine.weight_checksums())
             checksum_baseline["baseline"] = checksums
             return {"checksums": checksums}
         if action == "compare":
-            baseline = _field(body, "baseline", dict) or checksum_baseline.get("baseline")
+            given = body.baseline.checksums if isinstance(body.baseline, ChecksumsBody) else body.baseline
+            baseline = given or checksum_baseline.get("baseline")
             if baseline is None:
                 raise APIError(400, "baseline: no baseline given and none taken with action=checksum", "baseline")
-            baseline = baseline.get("checksums", baseline)
             return compare_checksums(baseline, await _engine_call(engine.weight_checksums()))
-        if action == "reset":
-            checksum_baseline.clear()
-            return {"status": "reset"}
-        raise APIError(400, f"action: must be checksum, compare or reset, got {action!r}", "action")
+        checksum_baseline.clear()  # reset
+        return {"status": "reset"}
 
     return router
+
+
+def _log_late_rpc(method: str, since: float) -> Callable[[asyncio.Future], None]:
+    def done(call: asyncio.Future) -> None:
+        error = None if call.cancelled() else call.exception()  # retrieved: no "never retrieved" warning
+        logger.warning(
+            "collective_rpc %r ended %.1f s after its caller timed out (%s); its result was dropped",
+            method,
+            time.monotonic() - since,
+            "cancelled" if call.cancelled() else f"failed: {error!r}" if error else "returned",
+        )
+
+    return done
 
 
 def _jsonable(value: Any) -> Any:

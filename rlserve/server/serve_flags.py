@@ -23,6 +23,7 @@ from rlserve.server.defaults import (
     generation_defaults,
     load_chat_template,
 )
+from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
@@ -156,11 +157,15 @@ def _check_tool_calls(args: argparse.Namespace) -> None:
 
 
 def _check_defaults(args: argparse.Namespace) -> None:
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
     args.serving_defaults = ServingDefaults(
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         sampling=generation_defaults(args.model, args.generation_config),
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
 
 
@@ -217,6 +222,19 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--chat-template", default=None, help="a Jinja file, or an inline template, for chat (default: the tokenizer's)"
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let chat requests send their own chat_template (vLLM's flag); without it such requests are refused, "
+        "as a template is code the server runs",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        metavar="BYTES",
+        help=f"larger request bodies are refused with 413 as they arrive (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
     )
     serve.add_argument(
         "--enable-auto-tool-choice",

@@ -13,17 +13,17 @@ import json
 import os
 import platform
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 import rlserve
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
+from rlserve.server.guards import check_prompt_chars
 from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
-from rlserve.server.rl_routes import _json_body
 
 if TYPE_CHECKING:
     from rlserve.server.app import OpenAIServing
@@ -65,21 +65,21 @@ def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None
     keyed = [Depends(auth)]
 
     @router.post("/inference/v1/generate", dependencies=keyed)
-    async def generate(raw: Request) -> Response:
-        req = parse_body(await _json_body(raw, required=True), GenerateRequest)
+    async def generate(req: GenerateRequest, raw: Request) -> Response:
         return await serving.generate_tokens(req, raw)
 
     @router.post("/v1/completions/render", dependencies=keyed)
-    async def render_completion(raw: Request) -> list[dict]:
-        return serving.render_completion(parse_body(await _json_body(raw, required=True), CompletionRequest))
+    async def render_completion(req: CompletionRequest) -> list[dict]:
+        return await serving.render_completion(req)
 
     @router.post("/v1/chat/completions/render", dependencies=keyed)
-    async def render_chat(raw: Request) -> dict:
-        return serving.render_chat(parse_body(await _json_body(raw, required=True), ChatCompletionRequest))
+    async def render_chat(req: ChatCompletionRequest) -> dict:
+        return await serving.render_chat(req)
 
     @router.post("/tokenize")
-    async def tokenize(raw: Request) -> TokenizeResponse:
-        body = await _json_body(raw, required=True)
+    async def tokenize(body: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
+        # One route, two bodies told apart by `messages` (vLLM's): parsed here, so that an error names the field of
+        # the body meant rather than a member of a union.
         req: TokenizeCompletionRequest | TokenizeChatRequest
         if "messages" in body:
             req = parse_body(body, TokenizeChatRequest)
@@ -89,26 +89,35 @@ def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template_kwargs=req.chat_template_kwargs,
             )
-            text = serving._chat_prompt(chat)["prompt"]
+
+            def text() -> str:
+                return serving._chat_prompt(chat)["prompt"]
+
         else:
             req = parse_body(body, TokenizeCompletionRequest)
             serving._check_model(req.model)
-            text = req.prompt
-        tokens = tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
-        token_strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-        return TokenizeResponse(
-            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=token_strs
-        )
+
+            def text() -> str:
+                check_prompt_chars(req.prompt, engine.max_model_len, "prompt")
+                return req.prompt
+
+        def tokenize_text() -> TokenizeResponse:
+            tokens = tokenizer(text(), add_special_tokens=req.add_special_tokens).input_ids
+            token_strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+            return TokenizeResponse(
+                count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=token_strs
+            )
+
+        return await serving.off_loop(tokenize_text)
 
     @router.post("/detokenize")
-    async def detokenize(raw: Request) -> dict[str, str]:
-        req = parse_body(await _json_body(raw, required=True), DetokenizeRequest)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         serving._check_model(req.model)
         vocab_size = engine.limits.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
-        return {"prompt": tokenizer.decode(req.tokens)}
+        return {"prompt": await serving.off_loop(lambda: tokenizer.decode(req.tokens))}
 
     @router.get("/server_info", dependencies=keyed)
     async def server_info(config_format: str = "text") -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,11 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm, generate, good_tokens) -> Non
         ({"logprobs": -1}, "logprobs"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        # Non-finite numbers: NaN passes a plain comparison, so each range must fail for it.
+        *[({name: v}, name) for name in ("temperature", "top_p", "min_p") for v in (math.nan, math.inf)],
+        *[({name: v}, name) for name in ("presence_penalty", "frequency_penalty") for v in (math.nan, -math.inf)],
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"logit_bias": {1: math.inf}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params(kwargs: dict[str, Any], field: str) -> None:

@@ -85,7 +85,7 @@ def test_bad_inputs_are_refused_and_the_server_keeps_serving(server: Server, rl:
     assert stream.only.finish_reasons == ["length"] and stream.only.num_tokens == 120 and not stream.errors
     assert not rl.is_paused()
     with server.client() as http:
-        response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "fine", "max_tokens": 3})
+        response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "fine", "max_tokens": 3, **GREEDY})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 

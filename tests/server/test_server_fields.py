@@ -49,7 +49,13 @@ def fields_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = make_model_dir(tmp_path_factory.mktemp("fields-model") / "toy", initializer_range=0.2)
     make_tokenizer(add_bos=True).save_pretrained(model_dir)
     log = tmp_path_factory.mktemp("server-logs") / "fields.log"
-    args = ("--enable-rl-api", "--return-tokens-as-token-ids", "--enable-auto-tool-choice")
+    # --trust-request-chat-template: the chat_template field's tests send templates of their own.
+    args = (
+        "--enable-rl-api",
+        "--return-tokens-as-token-ids",
+        "--enable-auto-tool-choice",
+        "--trust-request-chat-template",
+    )
     yield from _serve(model_dir, log, *args, "--tool-call-parser", "hermes", api_key=API_KEY)
 
 
