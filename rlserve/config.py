@@ -41,7 +41,7 @@ def resolve_device(device: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = field(metadata={"help": "Hugging Face model directory"})
+    model: str = field(metadata={"help": "Hugging Face model directory or hub id (rlserve.hub.resolve_model)"})
     dtype: str = _option("auto", "weights and activations (auto: the checkpoint's)", DTYPES)
     device: str = _option("auto", "auto (CUDA when torch finds a GPU, else CPU), cpu or cuda[:N]")
     seed: int = _option(0, "seed of the engine's random state")
@@ -85,6 +85,9 @@ class EngineConfig:
     )
     weight_transfer_config: WeightTransferConfig | None = _option(
         None, 'JSON, e.g. \'{"backend": "nccl"}\'; enables live weight updates'
+    )
+    revision: str | None = _option(
+        None, "branch, tag or commit of a Hugging Face hub model (default: main); ignored for a directory"
     )
 
     def __post_init__(self) -> None:
