@@ -151,9 +151,9 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or "default" in help_text:
+        if action.nargs == 0 or action.default is argparse.SUPPRESS or "default" in help_text.lower():
             return help_text
-        return f"{help_text} (default: %(default)s)"
+        return f"{help_text} (default: {'none' if action.default is None else '%(default)s'})"
 
 
 class FlagParser(argparse.ArgumentParser):

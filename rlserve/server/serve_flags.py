@@ -180,7 +180,7 @@ SERVE_CHECKS = (_check_model, _check_quantization, _check_rl_api_auth, _check_to
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model", nargs="?", default=None, help="Hugging Face model directory or hub id (or --model)")
-    serve.add_argument("--model", dest="model_flag", default=None, help="the model (vLLM's spelling)")
+    serve.add_argument("--model", dest="model_flag", default=None, help="the model (vLLM's spelling; default: MODEL)")
     serve.add_argument("--host", default=None, help=f"address to listen on (default: {DEFAULT_HOST})")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
