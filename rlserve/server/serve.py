@@ -215,11 +215,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("rlserve serve: --api-server-count must be >= 1", file=sys.stderr)
         return 2
     sock = _listening_socket(args.host, args.port)
+    # SIGTERM stops as Ctrl-C does: uvicorn shuts down in order and passes the signal on, which then raises
+    # KeyboardInterrupt through the `finally`s (the core stopped, its socket and multiprocessing's temp directory
+    # removed) instead of ending the process where it stands.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.api_server_count == 1:
             return _run_api_server(args, sock, None, None)
         return _supervise(args, sock)
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down in order and passes the signal on; a stop, not an error
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: uvicorn has shut down in order and passed it on; a stop
         return 0
     finally:
         sock.close()
