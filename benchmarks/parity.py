@@ -38,6 +38,7 @@ from rlserve.rl.parity import (
     make_peaked_model_dir,
     peakedness,
     random_prompts,
+    row_setups,
     run_parity,
 )
 from rlserve.rl.trainer_logprobs import ParityStats
@@ -112,7 +113,7 @@ def main() -> int:
         trainer_dtype=args.trainer_dtype,
     )
     rows: dict[str, ParityStats | None] = {MODE_NAMES.get(name, name): s for name, s in results.items()}
-    print(format_table(rows), flush=True)
+    print(format_table(results, row_setups(args.dtype, args.trainer, args.trainer_dtype, args.temperature)), flush=True)
     print(f"total {time.perf_counter() - t0:.0f} s", flush=True)
     if args.out:
         record = dict(

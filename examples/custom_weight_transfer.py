@@ -67,8 +67,12 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
 
 def main() -> list[int]:
+    with tempfile.TemporaryDirectory(prefix="rlserve-custom-") as work:
+        return run(Path(work))
+
+
+def run(work: Path) -> list[int]:
     WeightTransferEngineFactory.register_engine("file", FileWeightTransferEngine)
-    work = Path(tempfile.mkdtemp(prefix="rlserve-custom-"))
     model_dir = make_model_dir(work / "model", preset="tiny")
     llm = LLM(str(model_dir), weight_transfer_config=WeightTransferConfig(backend="file"))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -84,6 +88,7 @@ def main() -> list[int]:
 
     after = llm.generate(["1+2="], params, use_tqdm=False)[0].outputs[0]
     print(f"before: {before}\nafter:  {after.token_ids} (weight versions {set(after.weight_versions)})")
+    llm.shutdown()  # its core process reads the work directory: stopped before that is removed
     return after.token_ids
 
 

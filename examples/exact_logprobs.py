@@ -13,6 +13,7 @@ weights into the engine and checks again; then shows that a request's logprobs d
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -37,7 +38,11 @@ def sample(llm: LLM, prompts: list[list[int]], seed: int) -> tuple[list[list[int
 
 
 def main() -> None:
-    model_dir = make_model_dir(tempfile.mkdtemp(prefix="rlserve-exact-"), preset="tiny", seed=0)
+    with tempfile.TemporaryDirectory(prefix="rlserve-exact-") as work:
+        run(make_model_dir(work, preset="tiny", seed=0))
+
+
+def run(model_dir: Path) -> None:
     # processed_logprobs: the distribution actually sampled (after temperature), the behaviour policy of the ratio.
     llm = LLM(str(model_dir), batch_invariant=True, logprobs_mode="processed_logprobs", num_kv_blocks=256)
     trainer = load_training_model(model_dir)  # rlserve's decoder, trainable
@@ -66,6 +71,7 @@ def main() -> None:
     alone = sample(llm, prompts[3:4], seed=7)
     batched = sample(llm, prompts[:3] + prompts[3:4] + prompts[4:], seed=4)  # prompt 3 gets seed 4 + 3 = 7
     print(f"alone == in a batch of {len(prompts)}: {alone[0][0] == batched[0][3] and alone[1][0] == batched[1][3]}")
+    llm.shutdown()  # its core process reads the model directory: stopped before that is removed
 
 
 if __name__ == "__main__":

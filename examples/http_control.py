@@ -55,7 +55,8 @@ def main() -> int:
     ap.add_argument("--url", default=None)
     ap.add_argument("--api-key", default=os.environ.get("RLSERVE_API_KEY", "example-key"))
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="rlserve-http-"))
+    work_dir = tempfile.TemporaryDirectory(prefix="rlserve-http-")  # removed at the end, after the server stops
+    work = Path(work_dir.name)
     server = None
     url = args.url
     if url is None:
@@ -105,6 +106,7 @@ def main() -> int:
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
+        work_dir.cleanup()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ __version__ = "0.1.0"  # the one source of the version: pyproject reads it, and 
 # (httpx) must not pay for torch and the engine, which `rlserve.engine.llm` pulls in.
 _EXPORTS = {
     "LLM": "rlserve.engine.llm",
+    "AsyncLLM": "rlserve.engine.async_llm",
     "CompletionOutput": "rlserve.outputs",
     "EngineConfig": "rlserve.config",
     "Logprob": "rlserve.outputs",

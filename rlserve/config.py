@@ -41,7 +41,7 @@ def resolve_device(device: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = field(metadata={"help": "Hugging Face model directory"})
+    model: str = field(metadata={"help": "Hugging Face model directory or hub id (rlserve.hub.resolve_model)"})
     dtype: str = _option("auto", "weights and activations (auto: the checkpoint's)", DTYPES)
     device: str = _option("auto", "auto (CUDA when torch finds a GPU, else CPU), cpu or cuda[:N]")
     seed: int = _option(0, "seed of the engine's random state")
@@ -95,6 +95,9 @@ class EngineConfig:
     # (for_data_parallel_rank), never a flag (vLLM's --data-parallel-rank starts one core of an externally
     # load-balanced deployment, which rlserve does not offer).
     data_parallel_rank: int = field(default=0, metadata={"help": "index of this engine core among the DP ranks"})
+    revision: str | None = _option(
+        None, "branch, tag or commit of a Hugging Face hub model (default: main); ignored for a directory"
+    )
 
     def __post_init__(self) -> None:
         # Resolved once, here, so the config every process receives names the device it runs on.

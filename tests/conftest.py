@@ -40,6 +40,15 @@ def make_sharded_model_dir(path: Path, architecture: str = "LlamaForCausalLM", s
     return path
 
 
+@pytest.fixture
+def model_names_as_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests of flags and configs name their model "m" or "model-dir": here those are (empty) directories of the
+    working directory, since a model that is neither a directory nor a hub id is refused as the config is made."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("m", "model-dir"):
+        (tmp_path / name).mkdir()
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -13,6 +13,7 @@ LAYERS: dict[str, int] = {
     "config": 0,
     "dtypes": 0,
     "log": 0,
+    "hub": 0,
     "sampling_params": 0,
     "outputs": 0,
     "weight_transfer": 1,

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.hub import resolve_model
 
 VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
@@ -148,11 +149,24 @@ def dash_underscored_flags(argv: Sequence[str], known: Collection[str]) -> list[
     return out
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it or the option is a switch (off
+    unless given); descriptions keep the line breaks of the docstrings they come from."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.nargs == 0 or action.default is argparse.SUPPRESS or "default" in help_text.lower():
+            return help_text
+        return f"{help_text} (default: {'none' if action.default is None else '%(default)s'})"
+
+
 class FlagParser(argparse.ArgumentParser):
     """An ArgumentParser (and, through add_subparsers, its subcommands') that takes vLLM's underscore spellings of
-    every flag, and runs `checks` on what it parsed: a check's ValueError is a usage error (the message, exit 2)."""
+    every flag, runs `checks` on what it parsed (a check's ValueError is a usage error: the message, exit 2), and
+    shows every option's default in its help."""
 
     def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (), **kwargs: Any):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self.checks = list(checks)
 
@@ -228,4 +242,5 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     # vLLM turns batch invariance on by environment; scripts written for it set this before building the engine.
     if "batch_invariant" not in kwargs and os.environ.get(VLLM_BATCH_INVARIANT_ENV) == "1":
         kwargs["batch_invariant"] = True
-    return EngineConfig(model=model, **kwargs)
+    # A hub id becomes its snapshot directory here, once: the core process and the tokenizer read that directory.
+    return EngineConfig(model=resolve_model(model, kwargs.get("revision")), **kwargs)

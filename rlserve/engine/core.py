@@ -341,8 +341,11 @@ class EngineCore:
         from rlserve.weight_transfer import WeightTransferEngineFactory
 
         if self.config.weight_transfer_config is None:
+            # The core cannot tell which front end its caller used: the fix for each, the HTTP one first.
             raise RuntimeError(
-                "Weight transfer not configured: create the engine with weight_transfer_config=WeightTransferConfig()"
+                "Weight transfer not configured: start `rlserve serve` with --weight-transfer-config "
+                '\'{"backend":"nccl"}\' (over HTTP), or create the engine with '
+                "weight_transfer_config=WeightTransferConfig() (in Python)"
             )
         if self.weight_transfer is None:
             self.weight_transfer = WeightTransferEngineFactory.create_engine(

@@ -131,7 +131,7 @@ class EngineFrontEnd:
         self.client = make_client(self.config)  # a core process starts in the background
         try:
             try:
-                self.tokenizer = load_tokenizer(model)  # meanwhile
+                self.tokenizer = load_tokenizer(self.config.model)  # meanwhile
             except Exception:
                 self.client.connect()  # the core's error says what is wrong with the model directory, if anything
                 raise

@@ -127,6 +127,21 @@ _COLUMNS = (
 )
 
 
+# Printed once, above the table.
+LEGEND = """\
+Each row is one optimizer step, then one weight update of the engine:
+  reward        mean reward of the step's samples (1: the right sum, then stop; 0.5: the right sum without stopping)
+  ver           the weight version the trainer reached with this step, pushed to the engine
+  lag mean/max  versions by which the weights that sampled a token trailed the trainer's (samples over --max-lag
+                are dropped: the dropped column)
+  sync ms       the weight transfer alone: start -> update -> finish
+  pause ms      how long the engine stood still: pause -> sync -> resume, the price of the update for generation
+  mismatch KL   engine vs trainer on the same tokens under the same weights (k3 estimate of the KL): ~0 in fp32
+  ratio         importance ratios exp(trainer - engine logprob) over the step's tokens, mean [min, max]: 1 on
+                policy, away from 1 for tokens sampled by older weights (lag)
+  clip          share of tokens whose ratio PPO's clip (1 +- 0.2) cut off from the gradient"""
+
+
 def format_row(r: StepRecord) -> str:
     ratio = f"{r.ratio_mean:.3f} [{r.ratio_min:.3f}, {r.ratio_max:.3f}]"
     return (
@@ -166,24 +181,63 @@ def summarize(records: Sequence[StepRecord]) -> dict[str, Any]:
     )
 
 
-def plot(records: Sequence[StepRecord], path: Path) -> None:
+def verdict(summary: dict[str, Any]) -> str:
+    """The reward test in words: what was required, what was measured, and the outcome (the exit status)."""
+    s = summary
+    rise = s["end_reward"] - s["start_reward"]
+    measured = (
+        f"reward: start {s['start_reward']:.3f} (mean of the first {s['window']} steps) -> end {s['end_reward']:.3f} "
+        f"(last {s['window']}): a change of {rise:+.3f}; a rise counts when it exceeds {s['margin']:.3f} (two "
+        "standard errors of the difference, so that noise alone passes about 2% of the time)"
+    )
+    if s["reward_rose"]:
+        return f"{measured}. PASS: the reward rose"
+    too_short = " (too few steps to tell: the default is 200)" if s["window"] < 3 else ""
+    return f"{measured}. NOT SHOWN: no rise beyond noise{too_short}; exit status {EXIT_NO_IMPROVEMENT}"
+
+
+def settings_caption(config: dict[str, Any]) -> str:
+    c = config
+    return (
+        f"{c['steps']} steps, model {c['model_size']} on {c['device']}, {c['prompts_per_step']} prompts x "
+        f"{c['group_size']} samples per step, lr {c['lr']:g}, max lag {c['max_lag']}, {c['warmup_steps']} warm-up "
+        f"steps, weight transfer {c['backend']}, seed {c['seed']}"
+    )
+
+
+# k3 estimates of a KL can be exactly 0 (engine and trainer agree to the bit): drawn at this floor, below any nonzero
+# estimate in fp32, instead of vanishing from the log axis.
+KL_FLOOR = 1e-16
+
+
+def plot(records: Sequence[StepRecord], path: Path, caption: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
 
     steps = [r.step for r in records]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     top.plot(steps, [r.reward for r in records], marker=".", color="tab:blue")
     top.set_ylabel("reward (batch mean)")
     top.set_ylim(0, 1)
     top.grid(alpha=0.3)
     top.set_title("rlserve demo: async GRPO with in-flight weight updates")
-    bottom.plot(steps, [r.mismatch_kl for r in records], marker=".", color="tab:red")
-    bottom.set_ylabel("engine/trainer mismatch KL (k3)")
+    middle.plot(steps, [r.pause_ms for r in records], marker=".", color="tab:orange", label="pause (no generation)")
+    middle.plot(steps, [r.sync_ms for r in records], marker=".", color="tab:green", label="sync (weight transfer)")
+    middle.set_ylabel("ms per update")
+    middle.set_ylim(bottom=0)
+    middle.legend(loc="upper right", fontsize="small")
+    middle.grid(alpha=0.3)
+    kls = [r.mismatch_kl for r in records]
+    bottom.plot(steps, [kl if kl > 0 else KL_FLOOR for kl in kls], marker=".", color="tab:red")
+    bottom.set_yscale("log")
+    zeros = f"; 0 drawn at {KL_FLOOR:g}" if min(kls, default=1) <= 0 else ""
+    bottom.set_ylabel(f"mismatch KL, log scale\n(engine vs trainer, same\ntokens and weights; k3{zeros})")
     bottom.set_xlabel("step (= weight version after the update)")
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
+    bottom.grid(alpha=0.3, which="both")
+    fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize="small", wrap=True)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))  # room for the caption
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -218,11 +272,10 @@ async def run_demo(config: DemoConfig) -> DemoResult:
     finally:
         result.summary["wall_s"] = time.perf_counter() - t_start
         (out / "log.json").write_text(json.dumps(asdict(result), indent=2))
-    plot(result.steps, out / "reward.png")
+    plot(result.steps, out / "reward.png", settings_caption(result.config))
+    print(verdict(result.summary))
     s = result.summary
     print(
-        f"reward: start {s['start_reward']:.3f} (mean of the first {s['window']} steps) -> end {s['end_reward']:.3f} "
-        f"(last {s['window']}): {'rose' if result.passed else 'did NOT rise'} (margin {s['margin']:.3f}); "
         f"engine at weight version {s['engine_weight_version']}; {s['dropped_samples']} samples dropped for lag; "
         f"{s['wall_s']:.0f} s"
     )
@@ -255,6 +308,7 @@ async def _train(config: DemoConfig, server: EngineServer, model_dir: Path, resu
                 seed=config.seed,
             )  # fmt: skip
             async with stream:
+                print(LEGEND)
                 print(_COLUMNS)
                 for step in range(1, config.steps + 1):
                     batch = await stream.take(config.prompts_per_step, policy.version, config.max_lag)
@@ -341,17 +395,16 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="async GRPO against a live engine, with in-flight weight updates: the reward rises in minutes on a CPU",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (= weight updates)")
     p.add_argument("--model-size", default=d.model_size, choices=sorted(PRESETS), help="rlserve.toy preset")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N], for trainer and engine alike")
     p.add_argument("--backend", default=d.backend, choices=BACKENDS, help="weight transfer (ipc: shared GPU)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the model, the prompts and the sampling")
     p.add_argument("--max-lag", type=int, default=d.max_lag, help="drop samples older than this many versions")
     p.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt (GRPO group)")
     p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="groups per optimizer step")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=d.lr, help="the trainer's learning rate (Adam)")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="supervised steps before RL")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/demo-<timestamp>)")
     p.set_defaults(func=cmd_demo)

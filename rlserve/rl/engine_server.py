@@ -72,7 +72,8 @@ class EngineServer:
                 # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
                 logprobs_mode="processed_logprobs",
             ),
-            "--log-level", "warning",
+            # The engine's start-up facts and phases go to the log; uvicorn's line per request would bury them.
+            "--log-level", "info", "--uvicorn-log-level", "warning",
         ]  # fmt: skip
         env = dict(os.environ)
         if self.threads is not None:

@@ -26,6 +26,7 @@ import math
 import random
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlserve.dtypes import TORCH_DTYPES
 from rlserve.engine.llm import LLM, load_tokenizer
+from rlserve.hub import resolve_model
 from rlserve.model.loader import checkpoint_files, iterate_checkpoint
 from rlserve.model.models.llama import DecoderForCausalLM
 from rlserve.rl.train_forward import load_training_model
@@ -221,6 +223,11 @@ class EngineSetup:
 # ---- the scenarios ----
 
 
+def lm_head_scenario_dtype(dtype: str) -> str:
+    """The engine dtype of the lm_head scenario, which is about a 16-bit engine: `dtype`, or bfloat16 for fp32."""
+    return dtype if dtype != "float32" else "bfloat16"
+
+
 def run_parity(
     model_dir: str | Path,
     prompts: TokenIds,
@@ -293,7 +300,7 @@ def run_parity(
             rollouts = engines.run(sample_once, dtype=dtype, logprobs_mode=f"{mode}_logprobs")
             results[f"raw_vs_processed/{mode}"] = score(rollouts)
     if "lm_head" in scenarios:
-        half = dtype if dtype != "float32" else "bfloat16"
+        half = lm_head_scenario_dtype(dtype)
         for head, lm_head_dtype in ((half, None), ("float32", "float32")):
             rollouts = engines.run(
                 sample_once, dtype=half, logprobs_mode="processed_logprobs", lm_head_dtype=lm_head_dtype
@@ -336,16 +343,61 @@ def run_parity(
 
 # ---- output ----
 
-COLUMNS = ("scenario", "mean|Δ|", "max|Δ|", "k3 KL", "mean ratio", "outside [0.9,1.1]", "ESS", "tokens")
+COLUMNS = (
+    "scenario", "engine", "reference", "mean|Δ|", "max|Δ|", "k3 KL", "mean ratio", "outside [0.9,1.1]", "ESS",
+    "tokens", "expected", "as expected",
+)  # fmt: skip
+# max|Δ| below which an engine and a reference in fp32 agree to float noise, and above which a row shows a real gap.
+FP32_NOISE = 1e-3
 
 
-def format_table(results: dict[str, ParityStats | None]) -> str:
-    """One row per result; None prints as n/a (a mode that cannot be measured yet)."""
+@dataclass(frozen=True)
+class RowSetup:
+    """What one row compares, and what it should show."""
+
+    engine: str  # the engine's dtype (and its LM head's, where it differs)
+    reference: str  # what scored the same tokens
+    expected: str  # "=0" bit for bit, "~0" float noise, ">0" a real gap, "?" none
+
+
+def row_setups(dtype: str, trainer: str, trainer_dtype: str, temperature: float) -> dict[str, RowSetup]:
+    """Each row's dtypes as run_parity runs it, and its expectation: only an fp32 engine against an fp32 reference can
+    be held to ~0 (16-bit rounding is a gap of its own)."""
+    engine, half = _SHORT[dtype], _SHORT[lm_head_scenario_dtype(dtype)]
+    reference = f"{trainer}-{_SHORT[trainer_dtype]}"
+    same = "~0" if dtype == trainer_dtype == "float32" else "?"
+    return {
+        "raw_vs_processed/raw": RowSetup(engine, reference, ">0" if temperature != 1.0 else same),
+        "raw_vs_processed/processed": RowSetup(engine, reference, same),
+        f"lm_head/{half}": RowSetup(half, reference, "?"),
+        "lm_head/fp32": RowSetup(f"{half}+fp32-head", reference, "?"),
+        "prefix_cache/reset": RowSetup(engine, reference, same),
+        "prefix_cache/off": RowSetup(engine, reference, same),
+        "prefix_cache/stale": RowSetup(engine, reference, ">0"),
+        "batch_invariant": RowSetup(engine, f"rlserve-bi-{engine}", "=0"),
+    }
+
+
+def as_expected(expected: str, stats: ParityStats) -> str:
+    """yes / NO for a row with an expectation, - for one without."""
+    if expected == "=0":
+        holds = stats.max_abs_diff == 0.0
+    elif expected == "~0":
+        holds = stats.max_abs_diff < FP32_NOISE
+    elif expected == ">0":
+        holds = stats.max_abs_diff > FP32_NOISE
+    else:
+        return "-"
+    return "yes" if holds else "NO"
+
+
+def format_table(results: dict[str, ParityStats], setups: dict[str, RowSetup]) -> str:
+    """One row per result, with the dtypes each side really used and whether the row shows what it should."""
     rows = [COLUMNS] + [
-        (name, *(["n/a"] * (len(COLUMNS) - 1)))
-        if s is None
-        else (
+        (
             name,
+            setups[name].engine,
+            setups[name].reference,
             f"{s.mean_abs_diff:.3e}",
             f"{s.max_abs_diff:.3e}",
             f"{s.k3_kl:.3e}",
@@ -353,6 +405,8 @@ def format_table(results: dict[str, ParityStats | None]) -> str:
             f"{s.frac_outside:.4f}",
             f"{s.ess:.6f}",
             str(s.num_tokens),
+            setups[name].expected,
+            as_expected(setups[name].expected, s),
         )
         for name, s in results.items()
     ]
@@ -364,17 +418,43 @@ def format_table(results: dict[str, ParityStats | None]) -> str:
     return "\n".join(lines)
 
 
+LEGEND = (
+    "Δ = trainer - engine logprob of each sampled token; k3 KL estimates KL(engine || reference); mean ratio, outside "
+    "and ESS are of the importance ratios exp(Δ). expected: =0 bit for bit, ~0 float noise (max|Δ| < {noise:g}), >0 a "
+    "real gap the row demonstrates, ? none (16-bit rounding: the size is the finding). NO marks a row that is not "
+    "as expected, and makes the exit status 1."
+)
+
+SCENARIO_WHAT = {
+    "raw_vs_processed": "raw vs processed logprobs (2 engines)",
+    "lm_head": "16-bit LM head vs fp32 LM head (2 engines)",
+    "prefix_cache": "prefix cache across a weight update: reset, off, stale (2 engines)",
+    "batch_invariant": "batch-invariant engine vs its trainer-side forward (1 engine)",
+}
+
+
 def cmd_parity(args: argparse.Namespace) -> int:
-    model = args.model
-    if model is None:
-        model = str(make_peaked_model_dir(tempfile.mkdtemp(prefix="rlserve-parity-"), "small", args.head_scale))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the trainer's loading bars would interleave with the progress lines
+    if args.model is not None:
+        print(f"model: {args.model} (used as is)")
+        return _parity(args, resolve_model(args.model))
+    with tempfile.TemporaryDirectory(prefix="rlserve-parity-") as workdir:  # removed on the way out
+        model = str(make_peaked_model_dir(Path(workdir) / "model", "small", args.head_scale))
         print(
-            f"model: a random small Qwen3 built in {model}, logits x{args.head_scale:g} (final RMSNorm weight, i.e. "
+            f"model: a random small Qwen3 (removed at exit), logits x{args.head_scale:g} (final RMSNorm weight, i.e. "
             "an LM head scaled by that factor) so that the distribution is peaked"
         )
-    else:
-        print(f"model: {model} (used as is)")
+        return _parity(args, model)
+
+
+def _parity(args: argparse.Namespace, model: str) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = sorted(set(scenarios) - set(SCENARIOS))
+    if unknown:
+        print(f"rlserve parity: unknown scenario(s) {unknown}; known: {list(SCENARIOS)}", file=sys.stderr)
+        return 2
     prompts = random_prompts(model, args.num_prompts, args.prompt_len, seed=args.seed)
     peak = peakedness(model, prompts, args.device)
     print(
@@ -384,51 +464,66 @@ def cmd_parity(args: argparse.Namespace) -> int:
     print(
         f"{args.num_prompts} prompts x {args.prompt_len} random tokens, {args.max_tokens} sampled tokens each, "
         f"temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}; engine {args.dtype} on "
-        f"{args.device}; trainer {args.trainer} in {args.trainer_dtype}, scoring the sampled (processed) distribution"
+        f"{args.device} (the lm_head rows: {lm_head_scenario_dtype(args.dtype)}); reference: trainer {args.trainer} "
+        f"in {args.trainer_dtype} scoring the sampled (processed) distribution, and for batch_invariant rlserve's "
+        f"batch-invariant forward in {args.dtype}"
     )
-    results = run_parity(
-        model,
-        prompts,
-        scenarios=scenarios,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        device=args.device,
-        dtype=args.dtype,
-        trainer=args.trainer,
-        trainer_dtype=args.trainer_dtype,
-        seed=args.seed,
-    )
-    print(format_table(results))
+    results: dict[str, ParityStats] = {}
+    for i, scenario in enumerate(scenarios, 1):
+        print(f"[{i}/{len(scenarios)}] {scenario}: {SCENARIO_WHAT[scenario]} ...", end=" ", flush=True)
+        t0 = time.perf_counter()
+        # One scenario a call: each starts from the checkpoint's weights (prefix_cache updates its reference's).
+        results |= run_parity(
+            model,
+            prompts,
+            scenarios=[scenario],
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            device=args.device,
+            dtype=args.dtype,
+            trainer=args.trainer,
+            trainer_dtype=args.trainer_dtype,
+            seed=args.seed,
+        )
+        print(f"{time.perf_counter() - t0:.1f} s", flush=True)
+    setups = row_setups(args.dtype, args.trainer, args.trainer_dtype, args.temperature)
+    print(format_table(results, setups))
+    print(LEGEND.format(noise=FP32_NOISE))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "func"} | {"model": model}
-        results_json = {name: asdict(s) for name, s in results.items()}
+        results_json = {
+            name: asdict(s) | asdict(setups[name]) | {"as_expected": as_expected(setups[name].expected, s)}
+            for name, s in results.items()
+        }
         record = dict(config=config, peakedness=asdict(peak), results=results_json)
         Path(args.json).write_text(json.dumps(record, indent=1))
         print(f"wrote {args.json}", file=sys.stderr)
-    return 0
+    return 0 if all(as_expected(setups[n].expected, s) != "NO" for n, s in results.items()) else 1
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "parity", help="engine vs trainer logprobs: raw/processed, LM head dtype, prefix cache across an update"
     )
-    p.add_argument("--model", default=None, help="model directory (default: build a small peaked random model)")
+    p.add_argument(
+        "--model", default=None, help="model directory or hub id (default: build a small peaked random model)"
+    )
     p.add_argument(
         "--head-scale", type=float, default=HEAD_SCALES["small"], help="logit scale of the model built without --model"
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", choices=list(TORCH_DTYPES), help="engine dtype")
     p.add_argument("--trainer", default="hf", choices=["hf", "rlserve"], help="transformers or rlserve's model")
-    p.add_argument("--trainer-dtype", default="float32", choices=list(TORCH_DTYPES))
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainer-dtype", default="float32", choices=list(TORCH_DTYPES), help="trainer dtype")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per scenario")
+    p.add_argument("--prompt-len", type=int, default=32, help="random tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens sampled per prompt")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (not 1: raw != processed)")
+    p.add_argument("--top-k", type=int, default=-1, help="top-k of the sampling (-1: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, the sampling and the weight update")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON (default: none)")
     p.set_defaults(func=cmd_parity)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import html
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -750,7 +751,8 @@ def build_app(
             "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
         )
     defaults = defaults or ServingDefaults()
-    app = FastAPI(title="rlserve", version=rlserve.__version__)
+    # FastAPI's /docs and /redoc load their scripts from a CDN, blank offline: /docs is a page of our own instead.
+    app = FastAPI(title="rlserve", version=rlserve.__version__, docs_url=None, redoc_url=None)
     app.add_middleware(RequestGuard, max_body_bytes=defaults.max_request_body_bytes)
     metrics = ServerMetrics(engine, model_names[0])
     serving = OpenAIServing(engine, model_names, defaults)
@@ -794,4 +796,27 @@ def build_app(
         rl_auth = auth if rl_api_keyed else make_auth([])
         rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs)
         app.include_router(rl_router, responses=errors)
+    _add_docs_page(app)
     return app
+
+
+def _add_docs_page(app: FastAPI) -> None:
+    """GET /docs: every route with its summary, and a link to /openapi.json (the schema, for any OpenAPI viewer); a
+    static page that needs nothing from the network."""
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        schema = app.openapi()
+        rows = "".join(
+            f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+            f"<td>{html.escape(op.get('summary', ''))}</td></tr>"
+            for path, ops in schema["paths"].items()
+            for method, op in ops.items()
+        )
+        body = (
+            "<!doctype html><html><head><meta charset='utf-8'><title>rlserve API</title>"
+            "</head><body><h1>rlserve API</h1><p>The full schema (request and response bodies): "
+            "<a href='/openapi.json'>/openapi.json</a>, for any OpenAPI viewer.</p>"
+            f"<table><tr><th>method</th><th>path</th><th>summary</th></tr>{rows}</table></body></html>"
+        )
+        return HTMLResponse(body)

@@ -23,9 +23,11 @@ import sys
 import tempfile
 from collections.abc import Callable
 
+from rlserve.dtypes import dtype_name
 from rlserve.engine.args import engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
+from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import build_app
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
@@ -59,13 +61,14 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         engine,
         api_keys(args),
         args.enable_rl_api,
-        args.served_model_name or [args.model],
+        args.served_model_name,
         rl_api_keyed=args.rl_api_auth == "key",
         defaults=args.serving_defaults,
         allowed_weight_dirs=args.allowed_weight_dirs,
     )
     log_level = args.uvicorn_log_level or args.log_level
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    await _log_start_up(engine, args)
     server = uvicorn.Server(config)
     # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full
     # collection walked it: 0.3-0.4 s stalls of the event loop on an H200, inside pauses and weight syncs. Frozen,
@@ -85,6 +88,30 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         await asyncio.wait({serving}, timeout=0.2)
     await serving
     return 0
+
+
+async def _log_start_up(engine: AsyncLLM, args: argparse.Namespace) -> None:
+    """One line with what an operator checks first: which model, where, in what dtype, how much KV cache, and where
+    to send requests."""
+    config = engine.config
+    dtype = dtype_name(resolve_dtype(config.dtype, load_hf_config(config.model)))
+    stats = await engine.stats()
+    blocks = stats["kv_cache_blocks"]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    name = args.served_model_name[0]
+    logger.info(
+        "serving %s on %s in %s: KV cache %d blocks x %d tokens (%d tokens), max model len %d; "
+        "http://%s:%d/v1 (API: /docs)",
+        name if name == config.model else f"{name} ({config.model})",
+        config.device,
+        dtype,
+        blocks,
+        config.block_size,
+        blocks * config.block_size,
+        engine.max_model_len,
+        host,
+        args.port,
+    )
 
 
 def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -189,11 +216,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("rlserve serve: --api-server-count must be >= 1", file=sys.stderr)
         return 2
     sock = _listening_socket(args.host, args.port)
+    # SIGTERM stops as Ctrl-C does: uvicorn shuts down in order and passes the signal on, which then raises
+    # KeyboardInterrupt through the `finally`s (the core stopped, its socket and multiprocessing's temp directory
+    # removed) instead of ending the process where it stands.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.api_server_count == 1:
             return _run_api_server(args, sock, None)
         return _supervise(args, sock)
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down in order and passes the signal on; a stop, not an error
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: uvicorn has shut down in order and passed it on; a stop
         return 0
     finally:
         sock.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlserve.engine.args import FlagParser, add_engine_arguments
+from rlserve.hub import resolve_model
 from rlserve.server.app import API_KEY_ENV
 from rlserve.server.defaults import (
     GENERATION_CONFIG_CHOICES,
@@ -99,7 +100,10 @@ def _check_model(args: argparse.Namespace) -> None:
         raise ValueError("a model is required: rlserve serve MODEL (or --model MODEL)")
     if positional is not None and flag is not None and positional != flag:
         raise ValueError(f"two models given: MODEL {positional} and --model {flag}; give one")
-    args.model = positional if positional is not None else flag
+    given = positional if positional is not None else flag
+    # Clients name the model as it was given (a hub id, not the cache directory it resolves to), as in vLLM.
+    args.served_model_name = args.served_model_name or [given]
+    args.model = resolve_model(given, getattr(args, "revision", None))  # a failure is a usage error: one line
 
 
 def _check_quantization(args: argparse.Namespace) -> None:
@@ -173,10 +177,10 @@ SERVE_CHECKS = (_check_model, _check_quantization, _check_rl_api_auth, _check_to
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("model", nargs="?", default=None, help="Hugging Face model directory (or --model)")
-    serve.add_argument("--model", dest="model_flag", default=None, help="the model directory (vLLM's spelling)")
+    serve.add_argument("model", nargs="?", default=None, help="Hugging Face model directory or hub id (or --model)")
+    serve.add_argument("--model", dest="model_flag", default=None, help="the model (vLLM's spelling; default: MODEL)")
     serve.add_argument("--host", default=None, help=f"address to listen on (default: {DEFAULT_HOST})")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument(
         "--api-key",
         nargs="+",
@@ -205,7 +209,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update)',
     )
-    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    serve.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="rlserve's logs (info: start-up facts and phases)"
+    )
     serve.add_argument(
         "--uvicorn-log-level", default=None, choices=(*LOG_LEVELS, "trace"), help="uvicorn's (default: --log-level)"
     )

@@ -26,6 +26,8 @@ from rlserve.engine.args import (
     make_engine_config,
 )
 
+pytestmark = pytest.mark.usefixtures("model_names_as_dirs")
+
 HINTS = typing.get_type_hints(EngineConfig)
 
 

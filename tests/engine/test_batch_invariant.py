@@ -82,6 +82,7 @@ def test_the_batch_invariant_trainer_forward_has_no_gradients(model_dirs) -> Non
     assert not values.requires_grad
 
 
+@pytest.mark.usefixtures("model_names_as_dirs")
 def test_cli_flag_reaches_the_engine_config() -> None:
     from rlserve.cli import build_parser, engine_kwargs
 
@@ -219,6 +220,7 @@ def test_prompt_logprobs_do_not_depend_on_the_batch_or_chunking(make_llm, genera
     assert mine.tolist() == alone
 
 
+@pytest.mark.usefixtures("model_names_as_dirs")
 def test_vllm_environment_switch_turns_it_on(monkeypatch) -> None:
     from rlserve.engine.llm import make_engine_config
 

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _run(name: str, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    """Run an example with a TMPDIR of its own, and check that it leaves nothing there but torch's compile cache
+    (torchinductor_<user>, shared by every run by design)."""
+    with tempfile.TemporaryDirectory() as tmpdir:
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLES / name), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**os.environ, "TMPDIR": tmpdir},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [p for p in os.listdir(tmpdir) if not p.startswith("torchinductor_")] == [], f"{name} left these"
     return result.stdout
 
 

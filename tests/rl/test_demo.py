@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from rlserve.rl.demo import EXIT_NO_IMPROVEMENT, StepRecord, improvement_margin, summarize
+from rlserve.rl.demo import EXIT_NO_IMPROVEMENT, LEGEND, StepRecord, improvement_margin, summarize, verdict
 from rlserve.rl.tasks import AdditionTask, Problem
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +52,11 @@ def test_verdict_compares_first_and_last_steps_against_the_margin() -> None:
     # Two steps of few groups: one-step windows, and a margin too wide for noise to pass.
     short = summarize([_record(1, 0.2, groups=4), _record(2, 0.5, groups=4)])
     assert short["window"] == 1 and short["margin"] > 0.5 and not short["reward_rose"]
+    # The verdict says what was required and what was measured, whichever way it went.
+    assert "a change of +0.350; a rise counts when it exceeds 0.144" in verdict(rising)
+    assert verdict(rising).endswith("PASS: the reward rose")
+    assert f"NOT SHOWN: no rise beyond noise; exit status {EXIT_NO_IMPROVEMENT}" in verdict(flat)
+    assert "a change of +0.300" in verdict(short) and "too few steps to tell" in verdict(short)
 
 
 def _assert_port_closed(url: str) -> None:
@@ -91,8 +96,17 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     summary = log["summary"]
     assert summary["reward_rose"] == (proc.returncode == 0)
     assert {"start_reward", "end_reward", "margin", "dropped_samples", "wall_s"} <= set(summary)
-    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "mismatch KL" in proc.stdout and "reward: start" in proc.stdout
+    png = (out / "reward.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[20:24], "big") == 9 * 120  # the figure's height in pixels: three panels at 120 dpi
+    # The columns are explained once, above the table; the verdict follows the exit status.
+    assert proc.stdout.count(LEGEND) == 1 and "mismatch KL" in proc.stdout
+    assert ("PASS: the reward rose" in proc.stdout) == (proc.returncode == 0)
+    assert (f"exit status {EXIT_NO_IMPROVEMENT}" in proc.stdout) == (proc.returncode == EXIT_NO_IMPROVEMENT)
+    # The engine's start-up facts: its phases, and serve's line with model, device, dtype, KV cache and URL.
+    engine_log = (out / "engine.log").read_text()
+    assert "model loaded on cpu" in engine_log
+    assert "on cpu in float32: KV cache" in engine_log and f"{summary['engine_url']}/v1" in engine_log
     _assert_port_closed(summary["engine_url"])
 
 

@@ -148,6 +148,8 @@ def test_batch_invariant_engine_equals_its_trainer_forward_exactly(peaked_dir, p
 def test_cli_prints_the_table(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env["OMP_NUM_THREADS"] = "1"  # a fresh interpreter on a shared 2-core box: oversubscription costs several x
+    env["TMPDIR"] = str(tmp_path / "tmp")  # where the model it builds goes, and must be gone from at exit
+    (tmp_path / "tmp").mkdir()
     out = tmp_path / "parity.json"
     result = subprocess.run(
         [sys.executable, "-m", "rlserve.cli", "parity", "--num-prompts", "2", "--max-tokens", "8", "--json", str(out)],
@@ -157,12 +159,14 @@ def test_cli_prints_the_table(tmp_path: Path) -> None:
         timeout=300,
         cwd=ROOT,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert any("x16" in line and "peaked" in line for line in lines)
+    # A progress line per scenario, with its time.
+    assert [line.split()[0] for line in lines if line.startswith("[")] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
     header = next(i for i, line in enumerate(lines) if line.startswith("scenario"))
-    assert all(c in lines[header] for c in ("mean|Δ|", "max|Δ|", "k3 KL", "mean ratio", "outside [0.9,1.1]", "ESS"))
-    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1 :]}
+    for column in ("engine", "reference", "mean|Δ|", "max|Δ|", "k3 KL", "mean ratio", "outside [0.9,1.1]", "ESS"):
+        assert column in lines[header]
     expected = {
         "raw_vs_processed/raw",
         "raw_vs_processed/processed",
@@ -173,7 +177,18 @@ def test_cli_prints_the_table(tmp_path: Path) -> None:
         "prefix_cache/stale",
         "batch_invariant",
     }
+    rows = {line.split()[0]: line.split()[1:] for line in lines[header + 1 :] if line.split()[0] in expected}
     assert set(rows) == expected
-    assert float(rows["batch_invariant"][1]) == 0.0  # max|Δ|
-    assert all(int(r[-1]) == 2 * 8 for r in rows.values())
+    # The dtypes each side really used: an fp32 engine, but bf16 for the lm_head rows.
+    assert rows["raw_vs_processed/processed"][:2] == ["fp32", "hf-fp32"]
+    assert rows["lm_head/bf16"][0] == "bf16" and rows["lm_head/fp32"][0] == "bf16+fp32-head"
+    assert rows["batch_invariant"][:2] == ["fp32", "rlserve-bi-fp32"]
+    assert float(rows["batch_invariant"][3]) == 0.0  # max|Δ|
+    assert all(int(r[-3]) == 2 * 8 for r in rows.values())
+    # What each row should show, and that it does: fp32 against fp32 is ~0, the demonstrated gaps are not.
+    verdicts = {name: tuple(r[-2:]) for name, r in rows.items()}
+    assert verdicts["raw_vs_processed/processed"] == verdicts["prefix_cache/reset"] == ("~0", "yes")
+    assert verdicts["raw_vs_processed/raw"] == verdicts["prefix_cache/stale"] == (">0", "yes")
+    assert verdicts["batch_invariant"] == ("=0", "yes") and verdicts["lm_head/bf16"] == ("?", "-")
     assert set(json.loads(out.read_text())["results"]) == expected
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []

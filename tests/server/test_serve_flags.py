@@ -25,6 +25,8 @@ from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from rlserve.server.serve_flags import DEV_MODE_ENV, QUANTIZATIONS, UNSUPPORTED
 from rlserve.toy import make_model_dir
 
+pytestmark = pytest.mark.usefixtures("model_names_as_dirs")
+
 
 @pytest.fixture(autouse=True)
 def _no_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,7 +172,7 @@ def test_generation_config_sets_the_request_defaults(tmp_path: Path, capsys) -> 
     model = write_generation_config(tmp_path / "model", top_p=0.9)
     assert parse(str(model)).serving_defaults.sampling == {"top_p": 0.9}  # auto, the default: the model's file
     assert parse(str(model), "--generation-config", "vllm").serving_defaults.sampling == {}
-    assert parse(str(tmp_path / "none")).serving_defaults.sampling == {}  # auto without a file: none, as vLLM
+    assert parse("m").serving_defaults.sampling == {}  # auto without a file: none, as vLLM
     assert "no readable generation_config.json" in refused(capsys, "m", "--generation-config", str(tmp_path / "none"))
 
 

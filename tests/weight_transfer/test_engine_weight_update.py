@@ -188,7 +188,8 @@ def test_refused_update_changes_nothing_and_trainer_finishes(model_dirs):
 def test_lifecycle_misuse_is_refused_and_engine_keeps_generating(model_dirs):
     old, _ = model_dirs
     unconfigured = LLM(str(old))
-    with pytest.raises(RuntimeError, match="not configured"):
+    # The fix for each front end: the server's flag and the Python argument.
+    with pytest.raises(RuntimeError, match=r"not configured.*--weight-transfer-config.*WeightTransferConfig\(\)"):
         unconfigured.init_weight_transfer_engine(dict(init_info={}))
     llm = LLM(str(old), weight_transfer_config=WeightTransferConfig(backend="nccl"))
     before = _outputs(llm)
