@@ -251,7 +251,19 @@ def build_rl_router(
             return {"status": "reset"}
         raise APIError(400, f"action: must be checksum, compare or reset, got {action!r}", "action")
 
+    _add_recovery_routes(router, engine)
     return router
+
+
+def _add_recovery_routes(router: APIRouter, engine: AsyncLLM) -> None:
+    """Routes for an operator whose trainer died (issue 20.1), under the router's key."""
+
+    @router.post("/abandon_weight_update")
+    async def abandon_weight_update() -> dict[str, str]:
+        """Give up the weight update in progress; `weights`: "restored" (--weight-update-snapshot put the previous
+        ones back), "incomplete" (generation is refused until a full update) or "unchanged" (none was written)."""
+        outcome = await _engine_call(engine.abandon_weight_update())
+        return {"message": "Weight update abandoned", "weights": outcome}
 
 
 def _jsonable(value: Any) -> Any:

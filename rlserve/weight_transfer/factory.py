@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -95,8 +96,16 @@ class WeightTransferEngineFactory:
         return loader()
 
     @classmethod
-    def create_engine(cls, config: WeightTransferConfig, device: torch.device | str) -> WeightTransferEngine:
-        return cls.get_engine_cls(config.backend)(config, torch.device(device))
+    def create_engine(
+        cls, config: WeightTransferConfig, device: torch.device | str, timeout_s: float | None = None
+    ) -> WeightTransferEngine:
+        """`timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s),
+        given to a backend whose constructor takes a `timeout_s` keyword (`nccl`); vLLM-style backends built from
+        (config, device) alone keep their own."""
+        engine_cls = cls.get_engine_cls(config.backend)
+        if timeout_s is not None and "timeout_s" in inspect.signature(engine_cls).parameters:
+            return engine_cls(config, torch.device(device), timeout_s=timeout_s)
+        return engine_cls(config, torch.device(device))
 
 
 WeightTransferEngineFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLWeightTransferEngine")

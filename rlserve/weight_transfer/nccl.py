@@ -242,15 +242,22 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         group, init = self._group, self._init_info
         if group is None or init is None:
             raise self._not_initialized()
-        receive_buckets(
-            tensor_metas(update_info),
-            lambda t: group.broadcast(t, src=0),
-            load_weights,
-            _first_set(update_info.packed_buffer_size_bytes, init.packed_buffer_size_bytes),
-            _first_set(update_info.packed_num_buffers, init.packed_num_buffers),
-            self.device,
-            packed=update_info.packed or init.packed,
-        )
+        try:
+            receive_buckets(
+                tensor_metas(update_info),
+                lambda t: group.broadcast(t, src=0),
+                load_weights,
+                _first_set(update_info.packed_buffer_size_bytes, init.packed_buffer_size_bytes),
+                _first_set(update_info.packed_num_buffers, init.packed_num_buffers),
+                self.device,
+                packed=update_info.packed or init.packed,
+            )
+        except dist.DistError as e:
+            # The trainer's process closed its connections (it died) or sent nothing within the timeout: the
+            # group is unusable from here on, and the update will never complete.
+            raise ConnectionError(
+                f"the trainer (rank 0) stopped sending: {e} (no data within {self.timeout_s:g} s, or the peer is gone)"
+            ) from e
 
     def shutdown(self) -> None:
         if self._group is not None:
