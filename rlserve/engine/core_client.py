@@ -388,10 +388,15 @@ class AsyncMPClient(AsyncClientBase):
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(self.address)
             socket.send(self.codec.encode(UtilityCall(0, "engine_info", [])))
-            while not socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
-                if not self._core_alive():
-                    raise EngineDeadError("the engine-core process died before answering")
-            return raise_for(self.codec.output_decoder.decode(socket.recv()))
+            while True:
+                while not socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
+                    if not self._core_alive():
+                        raise EngineDeadError("the engine-core process died before answering")
+                message = self.codec.output_decoder.decode(socket.recv())
+                if isinstance(message, EngineStatus):  # the core greets each new socket with its status
+                    self._set_status(message)
+                else:
+                    return raise_for(message)
 
     def _core_alive(self) -> bool:
         return self.process.is_alive() if self.process is not None else pid_alive(self.pid)

@@ -106,11 +106,11 @@ class EngineCoreService:
             self.clients.add(client)
             self.transport.send_status(client, self.status)
         self._handle(client, message)
-        self._publish_status()
 
     def _publish_status(self) -> None:
         """Tell every front end when the core starts or stops refusing generation: only control calls (a weight
-        update, sleep, an abandoned update), all handled here, change that."""
+        update, sleep, an abandoned update) change that. Sent before the call's result, so that the caller's front
+        end knows the new status by the time the call returns."""
         not_serving = self.core.not_serving()
         if not_serving != self.status.not_serving:
             self.status = EngineStatus(not_serving)
@@ -201,8 +201,10 @@ class EngineCoreService:
         try:
             value = method(self, client, call, *call.args)
         except BaseException as e:
+            self._publish_status()
             self.transport.send_result(client, error_result(call.call_id, e))
             return
+        self._publish_status()
         if value is not _DEFERRED:
             self.transport.send_result(client, UtilityResult(call.call_id, value))
 
