@@ -228,3 +228,14 @@ def test_with_a_snapshot_the_previous_weights_come_back(snapshot_server: Server,
         served = http.post("/v1/completions", json={**COMPLETION, "return_token_ids": True})
         assert served.status_code == 200
         assert served.json()["choices"][0]["token_ids"] == served_before["choices"][0]["token_ids"]
+
+
+def test_init_without_a_trainer_fails_after_the_timeout(server: Server) -> None:
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
+    with server.client() as http:
+        started = time.monotonic()
+        answer = http.post("/init_weight_transfer_engine", json={"init_info": init_info})
+        took = time.monotonic() - started
+        assert answer.status_code == 409 and "did not complete within 5 s" in answer.json()["error"]["message"]
+        assert TRANSFER_TIMEOUT_S <= took < TRANSFER_TIMEOUT_S + 10
+        assert http.get("/health").status_code == 200
