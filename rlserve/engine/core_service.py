@@ -333,7 +333,6 @@ _UTILITY_METHODS: dict[str, Callable] = {
             "load_weights_from_dir",
             "shutdown_weight_transfer_engine",
             "abandon_weight_update",
-            "not_serving",
         )
     },
     "pause": EngineCoreService.pause,

@@ -317,9 +317,11 @@ class LLM(EngineFrontEnd):
         previous weights back), "incomplete" (generation is refused until a full update) or "unchanged"."""
         return self.client.call("abandon_weight_update")
 
+    @property
     def not_serving(self) -> str | None:
-        """Why generation is refused now (the weights are incomplete: sleep level 2, an abandoned update), or None."""
-        return self.client.call("not_serving")
+        """Why generation is refused (the weights are incomplete: sleep level 2, an abandoned update), or None. As of
+        the last call: the core sends its status before any call's result, and only calls change it."""
+        return self.client.not_serving
 
     def update_weight_version(self, new_version: str) -> None:
         self.client.call("update_weight_version", str(new_version))

@@ -119,7 +119,7 @@ def test_a_failed_copy_keeps_the_update_open_until_resent(qwen3_dir, qwen3_alt_d
         llm.finish_weight_update("v1")
     send(llm, new, "all")
     llm.finish_weight_update("v1")
-    assert llm.not_serving() is None and _tokens(llm) == expected_new
+    assert llm.not_serving is None and _tokens(llm) == expected_new
 
 
 def test_a_receive_that_writes_nothing_changes_nothing(qwen3_dir, qwen3_alt_dir, make_llm) -> None:
@@ -130,7 +130,7 @@ def test_a_receive_that_writes_nothing_changes_nothing(qwen3_dir, qwen3_alt_dir,
     llm.start_weight_update()
     with pytest.raises(RuntimeError, match="a copy failed"):
         send(llm, new, "refused", fail_after=0, lost=False)
-    assert llm.not_serving() is None and llm.stats()["num_unwritten_weights"] == 0
+    assert llm.not_serving is None and llm.stats()["num_unwritten_weights"] == 0
     llm.finish_weight_update("v0")
     assert llm.weight_checksums() == checksums and _tokens(llm) == before
 
@@ -158,7 +158,7 @@ def test_a_lost_trainer_abandons_the_update_and_generation_waits_for_a_full_one(
     llm.start_weight_update()
     send(llm, new, "all")
     llm.finish_weight_update("v1")
-    assert llm.not_serving() is None and _tokens(llm) == expected_new
+    assert llm.not_serving is None and _tokens(llm) == expected_new
 
 
 def test_a_lost_trainer_with_a_snapshot_restores_the_previous_weights(qwen3_dir, qwen3_alt_dir, make_llm) -> None:
@@ -168,7 +168,7 @@ def test_a_lost_trainer_with_a_snapshot_restores_the_previous_weights(qwen3_dir,
     llm.start_weight_update()
     with pytest.raises(RuntimeError, match="abandoned \\(restored\\)"):
         send(llm, new, "lost", fail_after=3)
-    assert llm.weight_checksums() == checksums and llm.not_serving() is None
+    assert llm.weight_checksums() == checksums and llm.not_serving is None
     assert _tokens(llm) == before and llm.get_weight_version() == "default"
 
 
@@ -188,4 +188,4 @@ def test_abandon_by_hand(qwen3_dir, qwen3_alt_dir, make_llm) -> None:
     with pytest.raises(RequestRefusedError, match="abandoned by hand"):
         _tokens(llm)
     llm.load_weights(load_file(str(qwen3_dir / "model.safetensors")).items())  # a reload fills them too
-    assert llm.not_serving() is None and llm.weight_checksums() == checksums and _tokens(llm) == before
+    assert llm.not_serving is None and llm.weight_checksums() == checksums and _tokens(llm) == before

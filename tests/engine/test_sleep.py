@@ -120,13 +120,13 @@ def test_level_2_then_wake_up_refuses_generation_until_every_weight_is_written(q
     assert not llm.is_sleeping()
     with pytest.raises(RequestRefusedError, match=r"sleep\(level=2\) released them.*weight update .*or a reload"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert "sleep(level=2)" in llm.not_serving() and llm.stats()["num_running"] == 0
+    assert "sleep(level=2)" in llm.not_serving and llm.stats()["num_running"] == 0
     weights = sorted(load_file(str(qwen3_dir / "model.safetensors")).items())
     llm.load_weights(weights[:-1])  # all but one: still refused
     with pytest.raises(RequestRefusedError, match="1 of "):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.load_weights(weights[-1:])
-    assert llm.not_serving() is None
+    assert llm.not_serving is None
     assert _tokens(generate(llm, PROMPTS, GREEDY)) == before
 
 
