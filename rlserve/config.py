@@ -98,6 +98,17 @@ class EngineConfig:
     revision: str | None = _option(
         None, "branch, tag or commit of a Hugging Face hub model (default: main); ignored for a directory"
     )
+    weight_transfer_timeout_s: float = _option(
+        60.0,
+        "seconds the weight-transfer rendezvous (init_weight_transfer_engine) and each receive of an update may wait "
+        "for the trainer; a trainer silent or gone for longer has its update abandoned",
+    )
+    weight_update_snapshot: bool = _option(
+        False,
+        "keep a host copy of the weights at each start_weight_update (host memory: one model's worth), so that an "
+        "abandoned update restores them; without it, an update abandoned after writing refuses generation until a "
+        "full update",
+    )
 
     def __post_init__(self) -> None:
         # Resolved once, here, so the config every process receives names the device it runs on.
@@ -113,6 +124,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.weight_transfer_timeout_s > 0:  # NaN too
+            raise ValueError(f"weight_transfer_timeout_s must be > 0, got {self.weight_transfer_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.data_parallel_size < 1:

@@ -20,6 +20,7 @@ from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
+    RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
     make_async_client,
@@ -114,16 +115,28 @@ class AsyncLLM(EngineFrontEnd):
     def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         results, to_abort = self.output_processor.process(outputs)
         for out in results:
+            error = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.queue.put_nowait(out)
+                stream.queue.put_nowait(out if error is None else RequestRefusedError(error))
         if to_abort:
             self.client.abort(to_abort)
 
     def _on_core_dead(self, reason: str) -> None:
         self.error = EngineDeadError(reason)
+        self.fail_streams(self.error)
+
+    def fail_streams(self, error: BaseException) -> None:
+        """End every open stream with `error` (raised to its consumer, whose exit aborts its engine requests): the
+        core died, or the server is shutting down and must not leave clients waiting for a stream's end."""
         for stream in self._streams.values():
-            stream.queue.put_nowait(self.error)
+            stream.queue.put_nowait(error)
+
+    @property
+    def not_serving(self) -> str | None:
+        """Why the core refuses generation (its weights are incomplete), as it last told this front end; None
+        while it serves. Read without a call: the core may be inside a long weight transfer."""
+        return self.client.not_serving
 
     async def generate(
         self,
@@ -229,6 +242,10 @@ class AsyncLLM(EngineFrontEnd):
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self._call("finish_weight_update", weight_version)
+
+    async def abandon_weight_update(self) -> str:
+        """See LLM.abandon_weight_update."""
+        return await self._call("abandon_weight_update")
 
     async def update_weight_version(self, new_version: str) -> None:
         await self._call("update_weight_version", str(new_version))

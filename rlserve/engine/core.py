@@ -24,6 +24,7 @@ from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import LaunchedStep, ModelRunner
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams
+from rlserve.weight_transfer.base import TRAINER_LOST
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,14 @@ class EngineCore:
         self.weight_transfer = None  # created by init_weight_transfer_engine
         self.worker = make_worker(self.runner, config.worker_extension_cls)
         self.weight_update_active = False
-        # Names of a failed update_weights: they may be partly written (the model is then neither the old weights
-        # nor the new), so finish_weight_update and resume refuse until updates rewrite every one of them.
+        # Checkpoint tensors that hold no valid weights: released by sleep(level=2), partly written by a failed
+        # update_weights, or left from another version by an abandoned update. While any is, nothing is scheduled,
+        # new requests are refused (`not_serving`) and finish_weight_update refuses, until writes cover them all.
         self.unwritten_weights: set[str] = set()
+        self._unwritten_since = ""  # what made them so, for the error messages
+        self._update_written: set[str] = set()  # what the update in progress has written so far
+        self._snapshot: dict[str, torch.Tensor] | None = None  # weight_update_snapshot's buffers, kept for reuse
+        self._snapshot_valid = False  # they hold the weights of the update in progress's start
         self.asleep = False
         self._pause_before_sleep = PauseState.UNPAUSED
         self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
@@ -127,7 +133,8 @@ class EngineCore:
         return bool(self.requests)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_schedulable_work() or self._in_flight is not None or bool(self._pending_outputs)
+        schedulable = not self.unwritten_weights and self.scheduler.has_schedulable_work()
+        return schedulable or self._in_flight is not None or bool(self._pending_outputs)
 
     def step(self) -> list[EngineCoreOutput]:
         """Read back one step's results. With async scheduling the next step is scheduled and launched first, so
@@ -148,6 +155,8 @@ class EngineCore:
         return outputs
 
     def _launch(self, prev: _InFlightStep | None) -> _InFlightStep | None:
+        if self.unwritten_weights:  # requests wait (a keep-pause's included) rather than run on garbage
+            return None
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
@@ -271,16 +280,32 @@ class EngineCore:
         self.kv_cache.reset_prefix_cache()
 
     def resume(self) -> None:
-        self._refuse_partial_weights("resume")
+        """Lift the pause. With weights missing (see `not_serving`) nothing runs until they are written."""
         self._set_pause_state(PauseState.UNPAUSED)
 
-    def _refuse_partial_weights(self, operation: str) -> None:
-        if self.unwritten_weights:
-            example = sorted(self.unwritten_weights)[0]
-            raise RuntimeError(
-                f"{operation}: an update_weights call failed during its transfer, so {len(self.unwritten_weights)} "
-                f"tensors (e.g. {example!r}) may be partly written; send them again with update_weights first"
-            )
+    def not_serving(self) -> str | None:
+        """Why generation is refused (new requests end with this error, requests in flight wait), or None."""
+        if not self.unwritten_weights:
+            return None
+        missing, total = len(self.unwritten_weights), len(self.runner.weight_names)
+        example = sorted(self.unwritten_weights)[0]
+        return (
+            f"the model's weights are incomplete ({self._unwritten_since}): {missing} of {total} tensors (e.g. "
+            f"{example!r}) hold no valid weights; generation resumes once a weight update (start_weight_update, "
+            "update_weights, finish_weight_update) or a reload (load_weights, update_weights with weight_dir) has "
+            "written them"
+        )
+
+    def _mark_unwritten(self, names: set[str], why: str) -> None:
+        if names:
+            if not self.unwritten_weights:
+                self._unwritten_since = why
+            self.unwritten_weights |= names
+
+    def _written(self, names: set[str]) -> None:
+        self.unwritten_weights -= names
+        if self.weight_update_active:
+            self._update_written |= names
 
     def is_paused(self) -> bool:
         state = self._pause_before_sleep if self.asleep else self.scheduler.pause_state
@@ -313,6 +338,8 @@ class EngineCore:
             self.clear_cache()  # running requests give their blocks back; they recompute after wake_up
             self.runner.release_kv_cache()
             self.runner.release_weights(keep_host_copy=level == 1)
+        if level == 2:
+            self._mark_unwritten(set(self.runner.weight_names), "sleep(level=2) released them")
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what sleep released: `tags` any of "weights", "kv_cache", "scheduling" (default: all).
@@ -349,7 +376,10 @@ class EngineCore:
             )
         if self.weight_transfer is None:
             self.weight_transfer = WeightTransferEngineFactory.create_engine(
-                self.config.weight_transfer_config, self.runner.device, self.config.data_parallel_rank
+                self.config.weight_transfer_config,
+                self.runner.device,
+                self.config.data_parallel_rank,
+                self.config.weight_transfer_timeout_s,
             )
         self.weight_transfer.init_transfer_engine(self.weight_transfer.parse_init_info(init_info))
 
@@ -365,7 +395,15 @@ class EngineCore:
         self._require_transfer_engine("start_weight_update")
         self._require_weights("start_weight_update")
         if self.weight_update_active:
-            raise RuntimeError("start_weight_update: a weight update is already in progress; finish it first")
+            raise RuntimeError(
+                "start_weight_update: a weight update is already in progress; finish it first, or abandon it "
+                "(abandon_weight_update) if its trainer is gone"
+            )
+        # A copy of the weights before the first byte of the update is written; only of complete weights.
+        self._snapshot_valid = self.config.weight_update_snapshot and not self.unwritten_weights
+        if self._snapshot_valid:
+            self._snapshot = self.runner.snapshot_weights(self._snapshot)
+        self._update_written.clear()
         self.weight_update_active = True
 
     def update_weights(self, update_info: dict) -> None:
@@ -384,25 +422,76 @@ class EngineCore:
                 # The trainer may already be sending: take its bytes and drop them so it does not hang.
                 transfer.discard_weights(info)
                 raise
+            touched: set[str] = set()  # what load_weights was handed: a write that failed may have done part
+
+            def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+                touched.update(self.runner.checkpoint_names(name for name, _ in weights))
+                self.runner.load_weights(weights)
+
             try:
-                transfer.receive_weights(info, self.runner.load_weights)
+                transfer.receive_weights(info, load)
                 if self.runner.device.type == "cuda":
                     torch.cuda.synchronize(self.runner.device)
+            except TRAINER_LOST as e:
+                self._update_written |= touched
+                outcome = self._abandon_weight_update(f"the trainer was lost during update_weights: {e}")
+                self._close_weight_transfer()  # the transport is broken; the next trainer inits a new one
+                raise RuntimeError(
+                    f"update_weights: the trainer was lost during the transfer ({e}); the update was abandoned "
+                    f"({outcome}); a trainer can init_weight_transfer_engine and start a new update"
+                ) from e
             except Exception:
-                self.unwritten_weights.update(info.names)
+                # The trainer is still there (a refused handle, a failed copy): the update stays open, and what was
+                # handed to load_weights must be sent again. Nothing handed over, nothing changed.
+                self._update_written |= touched
+                self._mark_unwritten(touched, "an update_weights call failed part-way through writing them")
                 raise
-        self.unwritten_weights.difference_update(info.names)
+        self._written(touched)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._drain()
         if not self.weight_update_active:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update")
-        self._refuse_partial_weights("finish_weight_update")
+        reason = self.not_serving()
+        if reason is not None:
+            raise RuntimeError(f"finish_weight_update: {reason}; send them with update_weights first")
         self.weight_update_active = False
+        self._update_written.clear()
         # KV computed under the old weights must not be served to requests that start from now on.
         self.kv_cache.reset_prefix_cache()
         if weight_version is not None:
             self.weight_version = str(weight_version)
+
+    def abandon_weight_update(self) -> str:
+        """Give up the update in progress by hand (its trainer is gone between calls, or stuck); see
+        `_abandon_weight_update`. Returns what became of the weights."""
+        self._drain()
+        if not self.weight_update_active:
+            raise RuntimeError("abandon_weight_update: no weight update in progress")
+        return self._abandon_weight_update("abandoned by hand")
+
+    def _abandon_weight_update(self, why: str) -> str:
+        """End the update in progress without finishing it. Weights it wrote are rolled back to the snapshot taken at
+        its start (weight_update_snapshot), else they are from two versions and generation is refused until a full
+        update. The pause it ran under is lifted: the trainer that would resume is gone, and a pause nobody lifts
+        would hold every request forever (without weights nothing runs anyway). Returns "restored", "incomplete" or
+        "unchanged"."""
+        self.weight_update_active = False
+        written, self._update_written = self._update_written, set()
+        if not written:
+            outcome = "unchanged"
+        elif self._snapshot_valid:
+            self.runner.restore_weights(self._snapshot)
+            self.unwritten_weights.clear()  # the snapshot is of complete weights: a failed call's went back too
+            outcome = "restored"
+        else:
+            self._mark_unwritten(set(self.runner.weight_names), f"a weight update was abandoned: {why}")
+            outcome = "incomplete"
+        self._snapshot_valid = False
+        self.kv_cache.reset_prefix_cache()  # KV computed under weights that are no longer served
+        self._set_pause_state(PauseState.UNPAUSED)
+        logger.warning("weight update abandoned (%s): weights %s", why, outcome)
+        return outcome
 
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's collective_rpc: run `method` on every worker (rlserve has one) between steps; one result per
@@ -417,7 +506,9 @@ class EngineCore:
         under the old weights servable (only a tool that demonstrates stale KV wants that)."""
         self._drain()
         self._require_weights("load_weights")
-        written = self.runner.load_weights(weights)
+        weights = list(weights)
+        written = self.runner.load_weights(weights)  # checks every tensor before writing any
+        self._written(self.runner.checkpoint_names(name for name, _ in weights))
         if reset_prefix_cache:
             self.kv_cache.reset_prefix_cache()
         return written

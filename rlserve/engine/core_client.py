@@ -33,6 +33,7 @@ from rlserve.engine.messages import (
     AddRequests,
     Codec,
     EngineCoreOutput,
+    EngineStatus,
     StepOutputs,
     UtilityCall,
     UtilityResult,
@@ -47,6 +48,11 @@ IN_PROCESS = b"in-process"  # the one front end of a core in this process
 
 class EngineDeadError(Exception):
     """The engine core is gone (its process died, or a step failed): nothing more can run on it."""
+
+
+class RequestRefusedError(RuntimeError):
+    """The engine core refused a request it cannot serve now (its weights are incomplete); the message says why and
+    what makes it serve again. The engine itself is fine (a server answers 503)."""
 
 
 def raise_for(result: UtilityResult) -> Any:
@@ -121,6 +127,7 @@ class InprocClient:
         self._outputs: list[EngineCoreOutput] = []
         self._results: dict[int, UtilityResult] = {}
         self._ids = itertools.count(1)
+        self.not_serving: str | None = None  # the core's EngineStatus, as last sent
 
     def connect(self) -> dict[str, Any]:
         return self.call("engine_info")
@@ -130,6 +137,9 @@ class InprocClient:
 
     def send_result(self, client, result: UtilityResult) -> None:
         self._results[result.call_id] = result
+
+    def send_status(self, client, status: EngineStatus) -> None:
+        self.not_serving = status.not_serving
 
     def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
         self.service.handle(IN_PROCESS, AddRequests(requests))
@@ -174,6 +184,7 @@ class MPClient:
         self._results: dict[int, UtilityResult] = {}
         self._ids = itertools.count(1)
         self.dead: str | None = None
+        self.not_serving: str | None = None  # the core's EngineStatus, as last sent
 
     def connect(self) -> dict[str, Any]:
         """Wait for the core to start (the process was started by the constructor) and ask what it is."""
@@ -201,6 +212,8 @@ class MPClient:
         message = self.codec.output_decoder.decode(self.socket.recv(copy=False))
         if isinstance(message, StepOutputs):
             self._outputs += unpack_outputs(message)
+        elif isinstance(message, EngineStatus):
+            self.not_serving = message.not_serving
         else:
             self._results[message.call_id] = message
 
@@ -273,10 +286,14 @@ class AsyncClientBase:
         self.on_outputs: Callable[[list[EngineCoreOutput]], None] = lambda outputs: None
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead: str | None = None
+        self.not_serving: str | None = None  # the core's EngineStatus, as last sent (read by /health)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering on `loop` (the first event loop that uses the engine)."""
         self.loop = loop
+
+    def _set_status(self, status: EngineStatus) -> None:
+        self.not_serving = status.not_serving
 
     def _file_result(self, result: UtilityResult) -> None:
         future = self._pending.pop(result.call_id, None)
@@ -364,6 +381,13 @@ class AsyncInprocClient(AsyncClientBase):
     def send_result(self, client, result: UtilityResult) -> None:
         self.loop.call_soon_threadsafe(self._file_result, result)
 
+    def send_status(self, client, status: EngineStatus) -> None:
+        # The first message may come before any event loop used the engine (a status has no caller to wait).
+        if self.loop is None:
+            self._set_status(status)
+        else:
+            self.loop.call_soon_threadsafe(self._set_status, status)
+
     def _send(self, message) -> None:
         self._inbox.put(message)
 
@@ -400,10 +424,15 @@ class AsyncMPClient(AsyncClientBase):
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(self.address)
             socket.send(self.codec.encode(UtilityCall(0, "engine_info", [])))
-            while not socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
-                if not self._core_alive():
-                    raise EngineDeadError("the engine-core process died before answering")
-            return raise_for(self.codec.output_decoder.decode(socket.recv()))
+            while True:
+                while not socket.poll(int(LIVENESS_INTERVAL_S * 1000)):
+                    if not self._core_alive():
+                        raise EngineDeadError("the engine-core process died before answering")
+                message = self.codec.output_decoder.decode(socket.recv())
+                if isinstance(message, EngineStatus):  # the core greets each new socket with its status
+                    self._set_status(message)
+                else:
+                    return raise_for(message)
 
     def _core_alive(self) -> bool:
         return self.process.is_alive() if self.process is not None else pid_alive(self.pid)
@@ -415,6 +444,9 @@ class AsyncMPClient(AsyncClientBase):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.address)
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+        # A no-op that introduces this socket to the core, which answers with its status: an API server that has
+        # sent nothing yet must still know, for /health, that generation is refused.
+        self._send(AbortRequests([]))
 
     async def _read(self) -> None:
         decode = self.codec.output_decoder.decode
@@ -422,6 +454,8 @@ class AsyncMPClient(AsyncClientBase):
             message = decode(await self.socket.recv(copy=False))
             if isinstance(message, StepOutputs):
                 self.on_outputs(unpack_outputs(message))
+            elif isinstance(message, EngineStatus):
+                self._set_status(message)
             else:
                 self._file_result(message)
 

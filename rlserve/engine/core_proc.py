@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.messages import Codec, EngineCoreOutput, UtilityResult, pack_outputs
+from rlserve.engine.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
 from rlserve.log import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,9 @@ class _SocketTransport:
 
     def send_result(self, client: bytes, result: UtilityResult) -> None:
         self.socket.send_multipart((client, self.codec.encode(result)), copy=False)
+
+    def send_status(self, client: bytes, status: EngineStatus) -> None:
+        self.socket.send_multipart((client, self.codec.encode(status)), copy=False)
 
 
 def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Connection) -> None:

@@ -25,6 +25,7 @@ from rlserve.engine.messages import (
     AddRequests,
     CoreInput,
     EngineCoreOutput,
+    EngineStatus,
     UtilityCall,
     UtilityResult,
     decode_token_ids,
@@ -42,6 +43,8 @@ class Transport(Protocol):
     def send_outputs(self, client: ClientId, outputs: list[EngineCoreOutput]) -> None: ...
 
     def send_result(self, client: ClientId, result: UtilityResult) -> None: ...
+
+    def send_status(self, client: ClientId, status: EngineStatus) -> None: ...
 
 
 @dataclass
@@ -83,6 +86,8 @@ class EngineCoreService:
         self.background: queue.SimpleQueue[tuple[ClientId, UtilityResult]] = queue.SimpleQueue()
         self.num_background = 0
         self.failure: BaseException | None = None  # a step raised: requests were aborted, the core is unusable
+        self.clients: set[ClientId] = set()  # every front end seen, for status changes
+        self.status = EngineStatus(None)  # as last sent
 
     # ---- the loop ----
 
@@ -97,6 +102,22 @@ class EngineCoreService:
         return IDLE_POLL_S
 
     def handle(self, client: ClientId, message: CoreInput) -> None:
+        if client not in self.clients:  # a front end's first message: it learns the status it missed
+            self.clients.add(client)
+            self.transport.send_status(client, self.status)
+        self._handle(client, message)
+
+    def _publish_status(self) -> None:
+        """Tell every front end when the core starts or stops refusing generation: only control calls (a weight
+        update, sleep, an abandoned update) change that. Sent before the call's result, so that the caller's front
+        end knows the new status by the time the call returns."""
+        not_serving = self.core.not_serving()
+        if not_serving != self.status.not_serving:
+            self.status = EngineStatus(not_serving)
+            for client in self.clients:
+                self.transport.send_status(client, self.status)
+
+    def _handle(self, client: ClientId, message: CoreInput) -> None:
         if isinstance(message, AddRequests):
             for request in message.requests:
                 self._add(client, request)
@@ -134,6 +155,12 @@ class EngineCoreService:
         if self.failure is not None:
             self._route(self._refused(message.request_ids))
             return
+        not_serving = self.core.not_serving()
+        if not_serving is not None:
+            for request_id in message.request_ids:
+                self.owners[request_id] = client
+            self._route(self._refused(message.request_ids, f"generation refused: {not_serving}"))
+            return
         prompt = decode_token_ids(message.prompt_token_ids)
         for request_id, params in zip(message.request_ids, message.params, strict=True):
             self.owners[request_id] = client
@@ -143,9 +170,9 @@ class EngineCoreService:
                 logger.exception("refused request %s", request_id)
                 self._route(self._refused([request_id]))
 
-    def _refused(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+    def _refused(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
         version = self.core.weight_version
-        return [EngineCoreOutput(rid, [], [], None, version, "abort") for rid in request_ids]
+        return [EngineCoreOutput(rid, [], [], None, version, "abort", error=error) for rid in request_ids]
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:
         if not outputs:
@@ -174,8 +201,10 @@ class EngineCoreService:
         try:
             value = method(self, client, call, *call.args)
         except BaseException as e:
+            self._publish_status()
             self.transport.send_result(client, error_result(call.call_id, e))
             return
+        self._publish_status()
         if value is not _DEFERRED:
             self.transport.send_result(client, UtilityResult(call.call_id, value))
 
@@ -265,6 +294,7 @@ class EngineCoreService:
             prefix_cache_hits=core.kv_cache.prefix_hits,
             is_paused=core.is_paused(),
             weight_version=core.weight_version,
+            num_unwritten_weights=len(core.unwritten_weights),
             # vLLM's CacheConfig fields that rlserve has, under vLLM's names (vllm:cache_config_info's labels)
             cache_config=dict(
                 block_size=config.block_size,
@@ -302,6 +332,7 @@ _UTILITY_METHODS: dict[str, Callable] = {
             "reset_prefix_cache",
             "load_weights_from_dir",
             "shutdown_weight_transfer_engine",
+            "abandon_weight_update",
         )
     },
     "pause": EngineCoreService.pause,

@@ -154,7 +154,16 @@ def combine_stats(values: list[dict[str, Any]], router: DPRouter) -> dict[str, A
 
 
 Combine = Callable[[str, list[Any]], Any]
+
+
+def _worst_outcome(method: str, values: list[str]) -> str:
+    """abandon_weight_update's: the ranks' outcomes can differ (one had written tensors when the trainer died, another
+    not); the engine is as bad as its worst rank: incomplete, then restored, then unchanged."""
+    return min(values, key=("incomplete", "restored", "unchanged").index)
+
+
 COMBINE: dict[str, Combine] = {
+    "abandon_weight_update": _worst_outcome,
     "checksums": _same_checksums,
     "is_paused": _every,
     "is_sleeping": _every,
@@ -193,6 +202,14 @@ class _DPClientBase:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def not_serving(self) -> str | None:
+        """Why generation is refused, if any rank refuses it (as each core last reported)."""
+        for rank, client in enumerate(self.ranks):
+            if client.not_serving is not None:
+                return f"data-parallel rank {rank}: {client.not_serving}"
+        return None
 
     def _route(self, requests: list[AddRequest], session_id: str | None) -> dict[int, list[AddRequest]]:
         groups: dict[int, list[AddRequest]] = {}

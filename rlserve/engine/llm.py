@@ -13,7 +13,13 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlserve.engine.args import make_engine_config
-from rlserve.engine.core_client import EngineDeadError, collective_rpc_args, load_weights_args, make_client
+from rlserve.engine.core_client import (
+    EngineDeadError,
+    RequestRefusedError,
+    collective_rpc_args,
+    load_weights_args,
+    make_client,
+)
 from rlserve.engine.limits import EngineLimits
 from rlserve.engine.messages import AddRequest
 from rlserve.engine.output_processor import OutputProcessor
@@ -264,9 +270,12 @@ class LLM(EngineFrontEnd):
                 if to_abort:
                     self.client.abort(to_abort)
                 for out in outputs:
+                    error = self.output_processor.take_error(out.request_id)
                     index = order.get(out.request_id)
                     if index is None:  # a late output of an earlier call's aborted request
                         continue
+                    if error is not None:
+                        raise RequestRefusedError(error)
                     results[index] = out
                     remaining -= 1
                     num_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -302,6 +311,17 @@ class LLM(EngineFrontEnd):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.client.call("finish_weight_update", weight_version)
+
+    def abandon_weight_update(self) -> str:
+        """Give up the weight update in progress (its trainer is gone): "restored" (weight_update_snapshot put the
+        previous weights back), "incomplete" (generation is refused until a full update) or "unchanged"."""
+        return self.client.call("abandon_weight_update")
+
+    @property
+    def not_serving(self) -> str | None:
+        """Why generation is refused (the weights are incomplete: sleep level 2, an abandoned update), or None. As of
+        the last call: the core sends its status before any call's result, and only calls change it."""
+        return self.client.not_serving
 
     def update_weight_version(self, new_version: str) -> None:
         self.client.call("update_weight_version", str(new_version))

@@ -33,6 +33,7 @@ class EngineCoreOutput:
     timestamp: float = 0.0  # the core's time.monotonic() at the step that produced it (same host as the front end)
     # (queued, scheduled, first token) times of the core, on the request's first output that carries a token only
     first_token: tuple[float, float, float] | None = None
+    error: str | None = None  # why the core refused the request (it then ends with finish_reason "abort")
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -128,10 +129,19 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     timestamps: bytes  # float64
     first_token_rows: bytes  # int32: the outputs that carry a `first_token` (a request's first, so few per step)
     first_token_times: bytes  # float64: (queued, scheduled, first token) per row of first_token_rows
+    error_rows: bytes  # int32: the outputs that carry an `error` (refusals: rare, so a sparse column)
+    errors: list[str]  # one per row of error_rows
+
+
+class EngineStatus(msgspec.Struct, tag=True, array_like=True):
+    """Sent to every front end when it changes (and to each on first contact): what /health reports without asking
+    the core, whose loop may be inside a long weight transfer."""
+
+    not_serving: str | None  # why generation is refused (EngineCore.not_serving), None while it serves
 
 
 CoreInput = AddRequests | AbortRequests | UtilityCall
-CoreOutput = StepOutputs | UtilityResult
+CoreOutput = StepOutputs | UtilityResult | EngineStatus
 
 
 def _i32(values: list[int]) -> bytes:
@@ -189,10 +199,15 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
     has_logprobs = []
     first_token_rows: list[int] = []
     first_token_times: list[float] = []
+    error_rows: list[int] = []
+    errors: list[str] = []
     for i, o in enumerate(outputs):
         if o.first_token is not None:
             first_token_rows.append(i)
             first_token_times += o.first_token
+        if o.error is not None:
+            error_rows.append(i)
+            errors.append(o.error)
         with_logprobs = bool(o.new_logprobs) and o.new_logprobs[0] is not None
         has_logprobs.append(with_logprobs)
         if with_logprobs:
@@ -214,6 +229,8 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
         timestamps=_f64([o.timestamp for o in outputs]),
         first_token_rows=_i32(first_token_rows),
         first_token_times=_f64(first_token_times),
+        error_rows=_i32(error_rows),
+        errors=errors,
     )
 
 
@@ -257,6 +274,8 @@ def unpack_outputs(step: StepOutputs) -> list[EngineCoreOutput]:
     times = _doubles(step.first_token_times)
     for j, row in enumerate(_ints(step.first_token_rows)):
         outputs[row].first_token = (times[3 * j], times[3 * j + 1], times[3 * j + 2])
+    for row, error in zip(_ints(step.error_rows), step.errors, strict=True):
+        outputs[row].error = error
     return outputs
 
 

@@ -82,6 +82,9 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}  # by request id
         self.child_to_parent: dict[str, tuple[str, int]] = {}
         self._token_text: dict[int, str] = {}
+        # Request id -> why the core refused it; the front end takes it (`take_error`) with the request's final
+        # output and raises it instead. Empty but for refusals.
+        self.errors: dict[str, str] = {}
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -145,6 +148,8 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 continue  # the core may run a token or two past a stop string before its abort lands
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.error is not None:
+                self.errors.setdefault(state.request_id, out.error)
             if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
                 offset = len(state.prompt_logprobs)
                 for j, data in enumerate(out.new_prompt_logprobs):
@@ -170,6 +175,10 @@ class OutputProcessor:
             if finished:
                 del self.states[state.request_id]
         return results, to_abort
+
+    def take_error(self, request_id: str) -> str | None:
+        """Why the core refused request `request_id` (None if it did not), once."""
+        return self.errors.pop(request_id, None) if self.errors else None
 
     def _add_tokens(self, sample: _Sample, out: EngineCoreOutput) -> None:
         params = sample.params

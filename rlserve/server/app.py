@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
@@ -261,6 +261,13 @@ class OpenAIServing:
             validated.append(checked)
         return validated
 
+    def _check_serving(self) -> None:
+        """A 503 before a stream starts when the core is known to refuse generation (it refuses each request too:
+        this is what lets a streaming client get the status rather than an error event)."""
+        not_serving = self.engine.not_serving
+        if not_serving is not None:
+            raise APIError(503, f"generation refused: {not_serving}")
+
     async def _generate(
         self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -360,6 +367,8 @@ class OpenAIServing:
             yield _sse(e.response())
         except EngineDeadError as e:
             yield _sse(APIError(503, f"the engine is gone: {e}").response())
+        except RequestRefusedError as e:
+            yield _sse(APIError(503, str(e)).response())
         except Exception as e:
             logger.exception("stream failed")
             yield _sse(APIError(500, f"generation failed: {e}").response())
@@ -375,6 +384,7 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
         prompts = await self.off_loop(lambda: self._validate(self._completion_prompts(req), params, rename))
+        self._check_serving()
         response_id, request_id = self._request_ids(req, "cmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         weight_versions = _WeightVersions(req)
@@ -494,6 +504,7 @@ class OpenAIServing:
             # vLLM's: a model's tool-call tags may be special tokens, which the parser must see.
             params = dataclasses.replace(params, skip_special_tokens=False)
         prompts = await self.off_loop(lambda: self._validate([self._chat_prompt(req)], params, rename))
+        self._check_serving()
         response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         weight_versions = _WeightVersions(req)
@@ -599,6 +610,7 @@ class OpenAIServing:
         rename |= {"prompt": "token_ids", "prompt_token_ids": "token_ids"}
         prompt = {"prompt_token_ids": req.token_ids, "cache_salt": req.cache_salt}
         prompts = await self.off_loop(lambda: self._validate([prompt], params, rename))
+        self._check_serving()
         request_id = req.request_id or new_id("generate")
         self._claim(request_id)
 
@@ -727,6 +739,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(APIError(503, f"the engine is gone: {exc}"))
 
+    @app.exception_handler(RequestRefusedError)
+    async def request_refused(_: Request, exc: RequestRefusedError) -> JSONResponse:
+        return error_response(APIError(503, str(exc)))
+
     # Any other exception: RequestGuard's 500 (a handler for Exception would run in Starlette's outermost
     # middleware, which re-raises it after answering, and uvicorn then drops the client's connection).
 
@@ -763,8 +779,14 @@ def build_app(
     @app.get("/health")
     @app.get("/health/", include_in_schema=False)  # TRL's spelling: answered here, not with a redirect
     async def health() -> Response:
-        # A failed engine step leaves the engine refusing work: say so, so orchestrators restart it.
-        return Response(status_code=503 if engine.error is not None else 200)
+        # A failed engine step leaves the engine refusing work: say so, so orchestrators restart it. Weights
+        # missing (sleep level 2, an abandoned update) refuse generation too, until an update: 503 with the reason.
+        if engine.error is not None:
+            return Response(status_code=503)
+        not_serving = engine.not_serving
+        if not_serving is not None:
+            return error_response(APIError(503, f"generation refused: {not_serving}"))
+        return Response(status_code=200)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -89,6 +89,14 @@ class _EngineCollector:
         info.add_metric(list(config.values()), 1.0)
         yield info
         yield self._family(gauge, "rlserve_is_paused", "1 while generation is paused.", float(stats["is_paused"]))
+        incomplete = float(stats["num_unwritten_weights"] > 0)
+        yield self._family(
+            gauge,
+            "rlserve_weights_incomplete",
+            "1 while generation is refused because weights are missing (sleep level 2, an abandoned update) until an "
+            "update writes them.",
+            incomplete,
+        )
         version = InfoMetricFamily("rlserve_weight_version", "The weight version now served.", labels=ENGINE_LABELS)
         version.add_metric(self.label_values, {"weight_version": stats["weight_version"]})
         yield version
@@ -214,6 +222,8 @@ class ServerMetrics:
         self._rl_call.labels(self.model_name, route).observe(seconds)
 
     def weight_update_started(self) -> None:
+        # A start succeeds only with no update in progress: one begun earlier was abandoned, and is not timed.
+        self._weight_update.since = None
         self._weight_update.begin()
 
     def weight_update_finished(self) -> None:

@@ -308,6 +308,7 @@ def build_rl_router(
         checksum_baseline.clear()  # reset
         return {"status": "reset"}
 
+    _add_recovery_routes(router, engine)
     return router
 
 
@@ -322,6 +323,17 @@ def _log_late_rpc(method: str, since: float) -> Callable[[asyncio.Future], None]
         )
 
     return done
+
+
+def _add_recovery_routes(router: APIRouter, engine: AsyncLLM) -> None:
+    """Routes for an operator whose trainer died (issue 20.1), under the router's key."""
+
+    @router.post("/abandon_weight_update")
+    async def abandon_weight_update() -> dict[str, str]:
+        """Give up the weight update in progress; `weights`: "restored" (--weight-update-snapshot put the previous
+        ones back), "incomplete" (generation is refused until a full update) or "unchanged" (none was written)."""
+        outcome = await _engine_call(engine.abandon_weight_update())
+        return {"message": "Weight update abandoned", "weights": outcome}
 
 
 def _jsonable(value: Any) -> Any:

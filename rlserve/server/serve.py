@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -21,7 +22,9 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from rlserve.dtypes import dtype_name
 from rlserve.engine.args import engine_kwargs
@@ -31,6 +34,9 @@ from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import build_app
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +60,27 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
+    """uvicorn's Server, except that SIGTERM and SIGINT are a requested stop that returns: uvicorn raises the signal
+    again once it has shut down, which killed the process (exit -15) before the engine was shut down."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
 async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
@@ -69,14 +96,20 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
     log_level = args.uvicorn_log_level or args.log_level
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     await _log_start_up(engine, args)
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(config)
     # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full
     # collection walked it: 0.3-0.4 s stalls of the event loop on an H200, inside pauses and weight syncs. Frozen,
     # collections see only what serving allocates.
     gc.collect()
     gc.freeze()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
+    streams_ended = False
     while not serving.done():
+        if server.should_exit and not streams_ended:
+            # uvicorn waits (timeout_graceful_shutdown) for responses to end, then cuts them: end the streams now,
+            # each with an error event and [DONE], queued and kept-paused requests included; the engine stops after.
+            streams_ended = True
+            engine.fail_streams(EngineDeadError("the server is shutting down"))
         try:
             await engine.check_health()
         except EngineDeadError:
@@ -224,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.api_server_count == 1:
             return _run_api_server(args, sock, None)
         return _supervise(args, sock)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: uvicorn has shut down in order and passed it on; a stop
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while the engine starts, before uvicorn serves: a stop
         return 0
     finally:
         sock.close()

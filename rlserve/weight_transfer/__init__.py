@@ -5,6 +5,7 @@ Engine side: `WeightTransferEngineFactory.create_engine(config, device)` -> a `W
 """
 
 from rlserve.weight_transfer.base import (
+    TRAINER_LOST,
     LoadWeightsFn,
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -30,6 +31,7 @@ from rlserve.weight_transfer.nccl import (
 from rlserve.weight_transfer.packed import plan_buckets
 
 __all__ = [
+    "TRAINER_LOST",
     "IPCTrainerSendWeightsArgs",
     "IPCWeightTransferEngine",
     "IPCWeightTransferInitInfo",

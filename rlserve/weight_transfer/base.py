@@ -19,6 +19,10 @@ import torch
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_from_name
 
+TRAINER_LOST = (ConnectionError, TimeoutError)
+"""What `receive_weights` raises when the trainer is gone or silent (peer lost, nothing within the timeout): the
+engine then abandons the update, since the rest of it will never come. Any other error leaves the update open."""
+
 LoadWeightsFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Loads `(checkpoint_name, tensor)` pairs into the model. It copies out of the tensors, so a backend may reuse its
 receive buffers as soon as the call returns."""
@@ -119,7 +123,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     @abstractmethod
     def receive_weights(self, update_info: TUpdateInfo, load_weights: LoadWeightsFn) -> None:
         """Receive the tensors described by `update_info` and pass them to `load_weights` (possibly in several
-        calls). Returns once every tensor has been handed over."""
+        calls). Returns once every tensor has been handed over; raises one of TRAINER_LOST if the trainer is gone or
+        silent for longer than the backend waits."""
 
     @abstractmethod
     def discard_weights(self, update_info: TUpdateInfo) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -96,10 +97,21 @@ class WeightTransferEngineFactory:
 
     @classmethod
     def create_engine(
-        cls, config: WeightTransferConfig, device: torch.device | str, worker_index: int = 0
+        cls,
+        config: WeightTransferConfig,
+        device: torch.device | str,
+        worker_index: int = 0,
+        timeout_s: float | None = None,
     ) -> WeightTransferEngine:
-        """The backend for the worker `worker_index` of the engine (the data-parallel rank: one worker per core)."""
-        engine = cls.get_engine_cls(config.backend)(config, torch.device(device))
+        """The backend for the worker `worker_index` of the engine (the data-parallel rank: one worker per core).
+        `timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s), given to
+        a backend whose constructor takes a `timeout_s` keyword (`nccl`); vLLM-style backends built from (config,
+        device) alone keep their own."""
+        engine_cls = cls.get_engine_cls(config.backend)
+        if timeout_s is not None and "timeout_s" in inspect.signature(engine_cls).parameters:
+            engine = engine_cls(config, torch.device(device), timeout_s=timeout_s)
+        else:
+            engine = engine_cls(config, torch.device(device))
         engine.worker_index = worker_index  # set here, not passed: backends' constructors keep vLLM's signature
         return engine
 

@@ -242,9 +242,16 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         group, init = self._group, self._init_info
         if group is None or init is None:
             raise self._not_initialized()
+
+        def broadcast(tensor: torch.Tensor) -> _ReceiveWork:
+            try:
+                return _ReceiveWork(group.broadcast(tensor, src=0), self.timeout_s)
+            except dist.DistError as e:  # the store: the trainer never set up its side within the timeout
+                raise _trainer_lost(e, self.timeout_s) from e
+
         receive_buckets(
             tensor_metas(update_info),
-            lambda t: group.broadcast(t, src=0),
+            broadcast,
             load_weights,
             _first_set(update_info.packed_buffer_size_bytes, init.packed_buffer_size_bytes),
             _first_set(update_info.packed_num_buffers, init.packed_num_buffers),
@@ -310,6 +317,26 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             last_stream = stream
         if last_stream is not None:
             last_stream.synchronize()
+
+
+class _ReceiveWork:
+    """A receiving broadcast whose failure reads as what it is: the trainer's process closed its connections (it
+    died: gloo's "Connection closed by peer") or sent nothing within the timeout. Both backends raise a plain
+    RuntimeError; the engine abandons the update on TRAINER_LOST."""
+
+    def __init__(self, work: dist.Work, timeout_s: float) -> None:
+        self.work = work
+        self.timeout_s = timeout_s
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            raise _trainer_lost(e, self.timeout_s) from e
+
+
+def _trainer_lost(error: BaseException, timeout_s: float) -> ConnectionError:
+    return ConnectionError(f"the trainer (rank 0) is gone or sent nothing within {timeout_s:g} s: {error}")
 
 
 def _first_set(value: int | None, default: int) -> int:

@@ -105,3 +105,67 @@ def test_requests_in_flight_sleep_and_finish_after_wake_up(tmp_path) -> None:
             engine.shutdown()
 
     assert asyncio.run(run(True)) == asyncio.run(run(False))
+
+
+def test_level_2_then_wake_up_refuses_generation_until_every_weight_is_written(qwen3_dir, make_llm, generate) -> None:
+    """Woken without new weights, the engine holds uninitialised memory: it refuses to generate (issue 17.3/20.7)."""
+    from safetensors.torch import load_file
+
+    from rlserve.engine.core_client import RequestRefusedError
+
+    llm = make_llm(qwen3_dir)
+    before = _tokens(generate(llm, PROMPTS, GREEDY))
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    with pytest.raises(RequestRefusedError, match=r"sleep\(level=2\) released them.*weight update .*or a reload"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert "sleep(level=2)" in llm.not_serving and llm.stats()["num_running"] == 0
+    weights = sorted(load_file(str(qwen3_dir / "model.safetensors")).items())
+    llm.load_weights(weights[:-1])  # all but one: still refused
+    with pytest.raises(RequestRefusedError, match="1 of "):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.load_weights(weights[-1:])
+    assert llm.not_serving is None
+    assert _tokens(generate(llm, PROMPTS, GREEDY)) == before
+
+
+def test_requests_kept_across_level_2_wait_for_the_weights(qwen3_dir) -> None:
+    """AsyncLLM: requests frozen by sleep(level=2, mode="keep") do not run on the garbage wake_up brings back; a new
+    request is refused with the reason; once the weights are loaded the kept ones finish as an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from rlserve.engine.core_client import RequestRefusedError
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    weights = list(load_file(str(qwen3_dir / "model.safetensors")).items())
+
+    async def run(sleep_midway: bool) -> list[list[int]]:
+        engine = AsyncLLM(str(qwen3_dir), num_kv_blocks=256)
+        try:
+
+            async def one(i: int) -> list[int]:
+                final = None
+                async for out in engine.generate(PROMPTS[i], params):
+                    final = out
+                return final.outputs[0].token_ids
+
+            tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
+            if sleep_midway:
+                while (await engine.stats())["num_generated_tokens"] < 20:
+                    await asyncio.sleep(0.001)
+                await engine.sleep(level=2, mode="keep")
+                await engine.wake_up()
+                produced = (await engine.stats())["num_generated_tokens"]
+                with pytest.raises(RequestRefusedError, match=r"sleep\(level=2\)"):
+                    await one(0)
+                await asyncio.sleep(0.05)
+                assert (await engine.stats())["num_generated_tokens"] == produced and engine.not_serving
+                assert not any(t.done() for t in tasks)
+                await engine.load_weights(weights)
+                assert engine.not_serving is None
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))

@@ -3,6 +3,7 @@ server processes in front of one core."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ import time
 
 import httpx
 from process_tree import descendants, engine_core_pids, survivors
-from server_helpers import MODEL_NAME, Server, free_port
+from server_helpers import MODEL_NAME, Server, Stream, free_port, read_stream
 
 DEATH_NOTICE_S = 3.0  # a pending request or call fails this soon after the core is killed (1 s promised + slack)
 EXIT_S = 15.0
@@ -118,7 +119,56 @@ def test_sigterm_to_the_whole_process_group_is_an_orderly_stop(start_server):
     assert engine_core_pids(server.proc.pid)
     for pid in group:
         os.kill(pid, signal.SIGTERM)
-    assert server.proc.wait(EXIT_S) in (0, -signal.SIGTERM)
+    assert server.proc.wait(EXIT_S) == 0
     assert not survivors(group)
     log = server.log_tail(20_000)
     assert "died" not in log and "ERROR" not in log, log
+
+
+def test_sigterm_to_the_server_ends_streams_with_an_error_and_exits_0(start_server):
+    """SIGTERM to `rlserve serve` alone (uvicorn's signal) with a stream running, a stream queued behind a keep-pause
+    and an init_weight_transfer_engine waiting for a trainer that never comes: each stream ends with an error event
+    and [DONE], the engine shuts down (no process left) and the exit status is 0 (issue 20.5)."""
+    server = start_server("--enable-rl-api", "--weight-transfer-config", json.dumps({"backend": "nccl"}))
+    children = descendants(server.proc.pid)
+    body = {"model": MODEL_NAME, "prompt": "on and on", "max_tokens": 1000, "ignore_eos": True}
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
+    init_outcome: list[object] = []
+
+    def wait_for_a_trainer() -> None:
+        try:
+            init_outcome.append(
+                httpx.post(
+                    server.url + "/init_weight_transfer_engine",
+                    json={"init_info": init_info},
+                    headers=server.headers,
+                    timeout=EXIT_S,
+                )
+            )
+        except httpx.TransportError as e:  # the server closed the connection as it stopped
+            init_outcome.append(e)
+
+    init = threading.Thread(target=wait_for_a_trainer, daemon=True)
+
+    async def go() -> list[Stream]:
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=EXIT_S) as http:
+            running, queued = Stream(), Stream()
+            tasks = [asyncio.create_task(read_stream(http, "/v1/completions", body, into=running))]
+            while running.tokens_so_far < 2:
+                assert not tasks[0].done(), tasks[0].exception()
+                await asyncio.sleep(0.01)
+            assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+            tasks.append(asyncio.create_task(read_stream(http, "/v1/completions", body, into=queued)))
+            init.start()
+            await asyncio.sleep(0.5)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(asyncio.gather(*tasks), EXIT_S)
+            return [running, queued]
+
+    for stream in asyncio.run(go()):
+        assert stream.done_markers == 1 and len(stream.errors) == 1, stream
+        assert stream.errors[0]["code"] == 503 and "shutting down" in stream.errors[0]["message"]
+    assert server.proc.wait(EXIT_S) == 0
+    init.join(EXIT_S)
+    assert init_outcome, "the init call still waits after the server exited"
+    assert not survivors(children)

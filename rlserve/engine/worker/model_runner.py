@@ -112,6 +112,8 @@ class ModelRunner:
         self.cuda_graphs: DecodeCUDAGraphs | None = None
         # Set while asleep: the weights' host copies (sleep level 1) or just their shapes (level 2).
         self._slept_weights: dict[str, torch.Tensor] | None = None
+        # Every checkpoint tensor the model has: what a full weight update writes.
+        self.weight_names = frozenset(name for name, _ in self.model.checkpoint_weights())
         self._allocate_kv_cache()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
@@ -532,6 +534,30 @@ class ModelRunner:
 
     def load_weights(self, weights) -> int:
         return self.model.load_weights(weights)
+
+    def checkpoint_names(self, names) -> set[str]:
+        """The entries of `weight_names` that checkpoint tensors `names` write."""
+        return {key for key in map(self.model.checkpoint_name, names) if key is not None}
+
+    def snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Host copies of the parameters, written into `into` (the previous snapshot's buffers) when given: a copy
+        per update, not an allocation (pinned memory is slow to allocate)."""
+        if into is None:
+            into = {
+                name: torch.empty(param.shape, dtype=param.dtype, pin_memory=self.device.type == "cuda")
+                for name, param in self.model.named_parameters()
+            }
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                into[name].copy_(param.data)
+        return into
+
+    def restore_weights(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Write back a `snapshot_weights` copy, in place (the parameters stay the objects loaders and caches hold)."""
+        with self.on_device(), torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.data.copy_(snapshot[name])
+        self.model.drop_derived_weights()
 
 
 class _NoAttention:

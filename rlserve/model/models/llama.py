@@ -237,6 +237,13 @@ class DecoderForCausalLM(nn.Module):
         start, rows = module.shards[sub]
         return param, start, rows
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name `checkpoint_weights` gives the weights that checkpoint tensor `name` writes (a tied LM head is
+        the embedding); None for a tensor the model ignores. An unknown name raises ValueError."""
+        if self._resolve(name) is None:
+            return None
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name
+
     def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Refuse, before any byte moves, names the model lacks, shapes that differ and non-float dtypes."""
         for name, shape, dtype in metadata:
