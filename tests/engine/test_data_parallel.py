@@ -105,6 +105,9 @@ def test_results_that_disagree_across_ranks_are_an_error() -> None:
     with pytest.raises(ValueError, match="^value: refused$"):
         combined("pause", [UtilityResult(1, None), UtilityResult(1, None, "ValueError", "value: refused")], router)
     assert combined("is_paused", [UtilityResult(1, True), UtilityResult(1, False)], router) is False
+    # An abandoned update leaves the engine as its worst rank: one rank had written tensors, the other none.
+    outcomes = [UtilityResult(1, "unchanged"), UtilityResult(1, "incomplete")]
+    assert combined("abandon_weight_update", outcomes, router) == "incomplete"
 
 
 def test_router_least_loaded_with_affinity() -> None:
