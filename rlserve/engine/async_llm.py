@@ -234,7 +234,8 @@ class AsyncLLM(EngineFrontEnd):
         # The rendezvous blocks until the trainer joins: the core runs it on a thread and keeps stepping.
         await self._call("init_weight_transfer_engine", _field(request, "init_info"))
 
-    async def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.check_weight_update_format(is_checkpoint_format)
         await self._call("start_weight_update")
 
     async def update_weights(self, request) -> None:

@@ -180,6 +180,21 @@ class EngineFrontEnd:
         """The methods of `worker_extension_cls` that collective_rpc may call by name."""
         return set(self._extension_methods)
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the workers of one data-parallel rank (TP x PP, one here), times the ranks with `include_dp`:
+        what a trainer sizes its weight-transfer group by (world_size = trainer ranks + this)."""
+        return self.config.data_parallel_size if include_dp else 1
+
+    @staticmethod
+    def check_weight_update_format(is_checkpoint_format: bool) -> None:
+        """vLLM's start_weight_update(is_checkpoint_format=False) sends the model's own (fused) parameter names;
+        rlserve's loader takes the checkpoint's names only, so it refuses rather than misreading them."""
+        if is_checkpoint_format is not True:
+            raise ValueError(
+                f"is_checkpoint_format: rlserve loads checkpoint-format names only (those of the model's safetensors "
+                f"files), got {is_checkpoint_format!r}"
+            )
+
 
 class LLM(EngineFrontEnd):
     def __init__(self, model: str, **kwargs: Any) -> None:
@@ -302,8 +317,8 @@ class LLM(EngineFrontEnd):
     def init_weight_transfer_engine(self, request) -> None:
         self.client.call("init_weight_transfer_engine", _field(request, "init_info"))
 
-    def start_weight_update(self, *args: Any, **kwargs: Any) -> None:
-        # vLLM G2 passed is_checkpoint_format=True; rlserve always takes checkpoint-format names.
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.check_weight_update_format(is_checkpoint_format)
         self.client.call("start_weight_update")
 
     def update_weights(self, request) -> None:
@@ -311,6 +326,10 @@ class LLM(EngineFrontEnd):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.client.call("finish_weight_update", weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """vLLM's: close the trainer's transfer group (a later init_weight_transfer_engine opens a new one)."""
+        self.client.call("shutdown_weight_transfer_engine")
 
     def abandon_weight_update(self) -> str:
         """Give up the weight update in progress (its trainer is gone): "restored" (weight_update_snapshot put the

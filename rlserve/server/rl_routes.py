@@ -184,11 +184,8 @@ def build_rl_router(
 
     @router.post("/start_weight_update")
     async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, str]:
-        if body is not None and not body.is_checkpoint_format:
-            raise APIError(
-                400, "is_checkpoint_format: rlserve loads checkpoint-format names only", "is_checkpoint_format"
-            )
-        await _engine_call(engine.start_weight_update())
+        is_checkpoint_format = True if body is None else body.is_checkpoint_format
+        await _engine_call(engine.start_weight_update(is_checkpoint_format), "is_checkpoint_format")
         metrics.weight_update_started()
         return {"message": "Weight update started"}
 
@@ -269,9 +266,7 @@ def build_rl_router(
 
     @router.get("/get_world_size")
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:
-        """vLLM's: the workers of one data-parallel rank (TP x PP, one here), times the ranks with `include_dp`:
-        what a trainer sizes its weight-transfer group by (world_size = trainer ranks + this)."""
-        return {"world_size": engine.config.data_parallel_size if include_dp else 1}
+        return {"world_size": engine.get_world_size(include_dp)}
 
     @router.post("/abort_requests")
     async def abort_requests(body: AbortRequestsRequest | None = None) -> dict[str, Any]:

@@ -59,6 +59,9 @@ def test_rl_and_v1_routes_demand_the_api_key(server: Server) -> None:
     with server.client() as http:
         assert http.get("/is_paused").json() == {"is_paused": False}
         assert http.get("/get_world_size").json() == {"world_size": 1}
+        # vLLM 0.33's model-format names: refused by name (as LLM.start_weight_update refuses them), nothing started.
+        refused = http.post("/start_weight_update", json={"is_checkpoint_format": False})
+        assert_error(refused, 400, "is_checkpoint_format")
 
 
 def test_enable_rl_api_without_a_key_refuses_to_start(server_model_dir: Path) -> None:

@@ -201,6 +201,11 @@ def test_lifecycle_misuse_is_refused_and_engine_keeps_generating(model_dirs):
         llm.finish_weight_update()
     with pytest.raises(ValueError, match="Invalid init_info"):
         llm.init_weight_transfer_engine(dict(init_info=dict(master_address="127.0.0.1")))
+    # vLLM 0.33's model-format names are refused by name, in Python as over HTTP (never ignored).
+    with pytest.raises(ValueError, match="^is_checkpoint_format: rlserve loads checkpoint-format names only"):
+        llm.start_weight_update(is_checkpoint_format=False)
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    llm.shutdown_weight_transfer_engine()  # nothing open: a no-op, as vLLM's
     assert [o.outputs[0].token_ids for o in _outputs(llm)] == [o.outputs[0].token_ids for o in before]
 
 
