@@ -72,6 +72,19 @@ def test_bad_sleep_arguments_are_refused(qwen3_dir, make_llm) -> None:
     assert not llm.is_sleeping()
 
 
+async def _final_token_ids(engine: AsyncLLM, prompt: str, params: SamplingParams) -> list[int]:
+    final = None
+    async for out in engine.generate(prompt, params):
+        final = out
+    return final.outputs[0].token_ids
+
+
+async def _until_generated(engine: AsyncLLM, num_tokens: int) -> None:
+    """Until the engine has generated `num_tokens` in all (the requests are mid-way)."""
+    while (await engine.stats())["num_generated_tokens"] < num_tokens:
+        await asyncio.sleep(0.001)
+
+
 def test_requests_in_flight_sleep_and_finish_after_wake_up(tmp_path) -> None:
     """AsyncLLM: requests caught by sleep(1) wait (their KV is dropped) and finish after wake_up with the tokens an
     uninterrupted run gives; a pause/resume while asleep takes effect only at wake_up."""
@@ -82,17 +95,9 @@ def test_requests_in_flight_sleep_and_finish_after_wake_up(tmp_path) -> None:
     async def run(sleep_midway: bool) -> list[list[int]]:
         engine = AsyncLLM(str(model_dir), num_kv_blocks=256)
         try:
-
-            async def one(i: int) -> list[int]:
-                final = None
-                async for out in engine.generate(PROMPTS[i], params):
-                    final = out
-                return final.outputs[0].token_ids
-
-            tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
+            tasks = [asyncio.create_task(_final_token_ids(engine, prompt, params)) for prompt in PROMPTS]
             if sleep_midway:
-                while (await engine.stats())["num_generated_tokens"] < 20:
-                    await asyncio.sleep(0.001)
+                await _until_generated(engine, 20)
                 await engine.sleep(level=1)
                 produced = (await engine.stats())["num_generated_tokens"]
                 await engine.resume_generation()  # asleep: recorded, not applied
@@ -143,22 +148,14 @@ def test_requests_kept_across_level_2_wait_for_the_weights(qwen3_dir) -> None:
     async def run(sleep_midway: bool) -> list[list[int]]:
         engine = AsyncLLM(str(qwen3_dir), num_kv_blocks=256)
         try:
-
-            async def one(i: int) -> list[int]:
-                final = None
-                async for out in engine.generate(PROMPTS[i], params):
-                    final = out
-                return final.outputs[0].token_ids
-
-            tasks = [asyncio.create_task(one(i)) for i in range(len(PROMPTS))]
+            tasks = [asyncio.create_task(_final_token_ids(engine, prompt, params)) for prompt in PROMPTS]
             if sleep_midway:
-                while (await engine.stats())["num_generated_tokens"] < 20:
-                    await asyncio.sleep(0.001)
+                await _until_generated(engine, 20)
                 await engine.sleep(level=2, mode="keep")
                 await engine.wake_up()
                 produced = (await engine.stats())["num_generated_tokens"]
                 with pytest.raises(RequestRefusedError, match=r"sleep\(level=2\)"):
-                    await one(0)
+                    await _final_token_ids(engine, PROMPTS[0], params)
                 await asyncio.sleep(0.05)
                 assert (await engine.stats())["num_generated_tokens"] == produced and engine.not_serving
                 assert not any(t.done() for t in tasks)

@@ -125,14 +125,19 @@ def plain_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     yield from _serve(server_model_dir, log, api_key=None)
 
 
-@pytest.fixture
-def rl(server: Server) -> Iterator[RLServeClient]:
+def rl_client(server: Server) -> Iterator[RLServeClient]:
+    """An RL client of `server` for one test; the server is shared, so it is left resumed."""
     client = RLServeClient(server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S)
     try:
         yield client
     finally:
         client.resume()
         client.close()
+
+
+@pytest.fixture
+def rl(server: Server) -> Iterator[RLServeClient]:
+    yield from rl_client(server)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import _serve
+from conftest import _serve, rl_client
 from process_tree import descendants, engine_core_pids, survivors
 from safetensors.torch import load_file
 from server_helpers import API_KEY, BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, Server, Stream, free_port, read_stream
@@ -50,12 +50,7 @@ def dp_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture
 def rl(dp_server: Server) -> Iterator[RLServeClient]:
-    client = RLServeClient(dp_server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S)
-    try:
-        yield client
-    finally:
-        client.resume()
-        client.close()
+    yield from rl_client(dp_server)
 
 
 def rl_async(server: Server) -> AsyncRLServeClient:
