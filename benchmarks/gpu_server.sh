@@ -106,6 +106,12 @@ if ! python3 -c "import fastapi, uvicorn, uvloop, httptools, zmq, msgspec, pydan
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
+  if ! python3 -c "import fastapi, uvicorn, uvloop, httptools, zmq, msgspec, pydantic, httpx, prometheus_client" \
+    2>>"$SUM"; then
+    echo "the carried wheels do not import (a dependency missing from .whl?): stopping before any part" | tee -a "$SUM"
+    pack
+    exit 1
+  fi
 fi
 python3 -c "import torch, triton, fastapi, uvicorn, pydantic, zmq, msgspec; print('torch', torch.__version__, \
 'triton', triton.__version__, 'fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'pydantic', \
