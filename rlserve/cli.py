@@ -12,7 +12,6 @@ from rlserve import __version__
 from rlserve.engine.args import FlagParser, add_engine_arguments, engine_kwargs
 from rlserve.engine.core_proc import multiprocessing_enabled, start_fork_server
 from rlserve.hub import ModelNotFoundError
-from rlserve.toy import MODEL_TYPES, PRESETS
 
 
 def _quiet_model_saving() -> None:
@@ -111,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
+    # Imported here, not at the top: the toy module brings torch and transformers (seconds), and an engine command
+    # starts its fork server before the parser is built so that those imports overlap the fork server's.
+    from rlserve.model.models import SUPPORTED_ARCHITECTURES
+    from rlserve.toy import PRESETS
+
     toy = sub.add_parser(
         "toy-model",
         help="write a small random model directory (rlserve.toy): a model to serve without downloading one",
@@ -119,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     toy.add_argument("dir", help="directory to write (created if missing)")
     toy.add_argument("--preset", default="small", choices=list(PRESETS), help="model shape (rlserve.toy.PRESETS)")
-    toy.add_argument("--architecture", default="Qwen3ForCausalLM", choices=list(MODEL_TYPES), help="model class")
+    toy.add_argument(
+        "--architecture", default="Qwen3ForCausalLM", choices=list(SUPPORTED_ARCHITECTURES), help="model class"
+    )
     toy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     toy.set_defaults(func=cmd_toy_model)
 

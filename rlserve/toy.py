@@ -8,6 +8,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from rlserve.model.models import SUPPORTED_ARCHITECTURES
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with Hermes-style tools (as Qwen's templates): the offered tools in a system turn, an assistant's calls as
 # <tool_call> JSON, a tool's answer in a tool turn. Without tools, plain ChatML.
@@ -52,7 +54,6 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
-MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
 def make_tokenizer(add_bos: bool = False) -> PreTrainedTokenizerFast:
@@ -106,7 +107,7 @@ def make_model_dir(
     if architecture == "Qwen2ForCausalLM":
         fields.pop("head_dim", None)
         fields["hidden_size"] = fields["num_attention_heads"] * PRESETS[preset].get("head_dim", 16)
-    config = AutoConfig.for_model(MODEL_TYPES[architecture], architectures=[architecture], **fields)
+    config = AutoConfig.for_model(SUPPORTED_ARCHITECTURES[architecture], architectures=[architecture], **fields)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

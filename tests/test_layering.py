@@ -18,7 +18,7 @@ LAYERS: dict[str, int] = {
     "outputs": 0,
     "weight_transfer": 1,
     "model": 2,
-    "toy": 2,
+    "toy": 3,  # builds models of the architectures `model` supports
     "engine": 3,
     "server": 4,
     "rl": 4,

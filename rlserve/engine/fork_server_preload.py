@@ -5,6 +5,9 @@ Imported there only."""
 import signal
 
 import rlserve.engine.core_service  # noqa: F401  (the engine's modules, imported once for every core)
+from rlserve.model.loader import import_config_classes
+
+import_config_classes()
 
 # The fork server reports the exit status of the cores it forked. A SIGTERM to the whole process group (a supervisor
 # stopping `rlserve serve`, `kill -- -PGID`) must not end it before them, or a core's clean exit reads as "died (exit

@@ -28,6 +28,14 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     return cfg
 
 
+def import_config_classes() -> None:
+    """Import the configuration classes of the supported architectures. transformers imports a model type's class
+    on first use, and with it much of the package (seconds, and tens of seconds from source on a machine without
+    bytecode caches): the engine-core fork server does it once, so a forked core's `load_hf_config` does not."""
+    for model_type in SUPPORTED_ARCHITECTURES.values():
+        AutoConfig.for_model(model_type)
+
+
 def resolve_dtype(dtype: str, cfg: PretrainedConfig) -> torch.dtype:
     if dtype != "auto":
         return TORCH_DTYPES[dtype]

@@ -2,6 +2,7 @@
 
 from rlserve.model.models.llama import DecoderForCausalLM, DecoderSpec, spec_from_hf_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Each architecture with its Hugging Face model type (the key of its configuration class).
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "DecoderForCausalLM", "DecoderSpec", "spec_from_hf_config"]
