@@ -53,3 +53,28 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Fold a later output of the same request into this one (vLLM's name): with `aggregate` (delta outputs)
+        each sample's new text, tokens, logprobs and weight versions are appended; without, the later samples
+        replace these (cumulative outputs hold everything already)."""
+        self.finished = self.finished or next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        by_index = {c.index: k for k, c in enumerate(self.outputs)}
+        for later in next_output.outputs:
+            k = by_index.get(later.index)
+            if k is None:
+                self.outputs.append(later)
+            elif not aggregate:
+                self.outputs[k] = later
+            else:
+                sample = self.outputs[k]
+                sample.text += later.text
+                sample.token_ids = sample.token_ids + later.token_ids
+                sample.weight_versions = sample.weight_versions + later.weight_versions
+                if sample.logprobs is not None and later.logprobs is not None:
+                    sample.logprobs = sample.logprobs + later.logprobs
+                sample.cumulative_logprob = later.cumulative_logprob
+                sample.finish_reason, sample.stop_reason = later.finish_reason, later.stop_reason

@@ -31,7 +31,7 @@ from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
 from rlserve.outputs import RequestOutput
-from rlserve.sampling_params import SamplingParams
+from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,29 @@ STREAM_DRAIN_TIMEOUT_S = 5.0
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """One request's outputs on their way to its consumer. What arrives while the consumer is busy is folded into
+    one output (vLLM's RequestOutputCollector): a stream read slower than the engine steps gets fewer, larger
+    deltas instead of falling further behind, one SSE chunk per read rather than per step. An error replaces
+    whatever is pending: it ends the stream."""
+
+    aggregate: bool  # delta outputs: append what is new; cumulative ones: keep the latest
+    pending: RequestOutput | BaseException | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput) and isinstance(self.pending, RequestOutput):
+            self.pending.add(item, self.aggregate)
+        else:
+            self.pending = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while self.pending is None:
+            self.ready.clear()
+            await self.ready.wait()
+        item, self.pending = self.pending, None
+        return item
 
 
 def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
@@ -118,7 +139,7 @@ class AsyncLLM(EngineFrontEnd):
             error = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.queue.put_nowait(out if error is None else RequestRefusedError(error))
+                stream.put(out if error is None else RequestRefusedError(error))
         if to_abort:
             self.client.abort(to_abort)
 
@@ -130,7 +151,7 @@ class AsyncLLM(EngineFrontEnd):
         """End every open stream with `error` (raised to its consumer, whose exit aborts its engine requests): the
         core died, or the server is shutting down and must not leave clients waiting for a stream's end."""
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.put(error)
 
     @property
     def not_serving(self) -> str | None:
@@ -160,14 +181,14 @@ class AsyncLLM(EngineFrontEnd):
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        stream = self._streams[request_id] = _Stream()
+        stream = self._streams[request_id] = _Stream(prompt.params.output_kind is RequestOutputKind.DELTA)
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
             request = AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)
             self.client.add([request], session_id)
             while True:
-                out = await stream.queue.get()
+                out = await stream.get()
                 if isinstance(out, BaseException):
                     raise out
                 yield out
@@ -190,7 +211,7 @@ class AsyncLLM(EngineFrontEnd):
             out = self.output_processor.abort(rid)
             stream = self._streams.get(rid)
             if out is not None and stream is not None:
-                stream.queue.put_nowait(out)
+                stream.put(out)
 
     # ---- pause / resume ----
 
@@ -205,7 +226,7 @@ class AsyncLLM(EngineFrontEnd):
         await self._call("pause", mode, clear_cache)
         if mode != "keep":
             # Streams that this pause ended are read to their end before pause returns.
-            pending = [s.done.wait() for s in affected if not s.done.is_set() and s.queue.qsize()]
+            pending = [s.done.wait() for s in affected if not s.done.is_set() and s.pending is not None]
             if pending:
                 await asyncio.wait([asyncio.ensure_future(p) for p in pending], timeout=STREAM_DRAIN_TIMEOUT_S)
 

@@ -19,7 +19,9 @@ Weight bytes do not travel here; they go over the weight-transfer backend. The u
     client.finish_weight_update(weight_version="step-1")
     client.resume()
 
-Every failure (HTTP error status) raises `RLServeError` with the status and the server's JSON error body.
+Every failure (HTTP error status) raises `RLServeError` with the status and the server's JSON error body. A call
+that may be repeated without harm (pause, resume, the status reads, aborts) is sent again after a transport error (a
+kept-alive connection the server closed, a reset under load), up to `RETRY_DELAYS_S`; a weight transfer never is.
 `AsyncRLServeGroup` drives several servers (data-parallel replicas) as one, with one broadcast updating them all.
 """
 
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 import httpx
 
 DEFAULT_TIMEOUT_S = 600.0  # weight transfers and rendezvous may legitimately take minutes
+RETRY_DELAYS_S = (0.1, 0.5, 2.0)  # before each new attempt of an idempotent call whose connection failed
 
 T = TypeVar("T")
 
@@ -63,6 +66,11 @@ class _Call:
     params: dict[str, Any] = field(default_factory=dict)
     json: Any = None
     key: str | None = None
+    idempotent: bool = False  # sending it twice does what sending it once does: safe to retry
+
+    def retry_delays(self) -> tuple[float | None, ...]:
+        """The wait before each further attempt after a transport error; None: raise it."""
+        return (*RETRY_DELAYS_S, None) if self.idempotent else (None,)
 
 
 class _Routes:
@@ -70,10 +78,12 @@ class _Routes:
 
     @staticmethod
     def pause(mode: str, clear_cache: bool) -> _Call:
-        return _Call("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+        # A pause repeated while paused is answered at once (the engine is already paused), so a retry is safe.
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        return _Call("POST", "/pause", params=params, idempotent=True)
 
-    resume = _Call("POST", "/resume")
-    is_paused = _Call("GET", "/is_paused", key="is_paused")
+    resume = _Call("POST", "/resume", idempotent=True)
+    is_paused = _Call("GET", "/is_paused", key="is_paused", idempotent=True)
 
     @staticmethod
     def init_weight_transfer_engine(init_info: dict[str, Any]) -> _Call:
@@ -94,16 +104,16 @@ class _Routes:
     def update_weight_version(new_version: str) -> _Call:
         return _Call("POST", "/update_weight_version", json={"new_version": new_version})
 
-    get_weight_version = _Call("GET", "/weight_version", key="weight_version")
-    get_world_size = _Call("GET", "/get_world_size", key="world_size")
-    weight_checksums = _Call("POST", "/weight_checker", json={"action": "checksum"}, key="checksums")
+    get_weight_version = _Call("GET", "/weight_version", key="weight_version", idempotent=True)
+    get_world_size = _Call("GET", "/get_world_size", key="world_size", idempotent=True)
+    weight_checksums = _Call("POST", "/weight_checker", json={"action": "checksum"}, key="checksums", idempotent=True)
 
     @staticmethod
     def abort_requests(request_ids: list[str] | None) -> _Call:
         body = {} if request_ids is None else {"request_ids": request_ids}
-        return _Call("POST", "/abort_requests", json=body, key="aborted")
+        return _Call("POST", "/abort_requests", json=body, key="aborted", idempotent=True)
 
-    reset_prefix_cache = _Call("POST", "/reset_prefix_cache")
+    reset_prefix_cache = _Call("POST", "/reset_prefix_cache", idempotent=True)
 
     @staticmethod
     def sleep(level: int) -> _Call:
@@ -113,7 +123,7 @@ class _Routes:
     def wake_up(tags: list[str] | None) -> _Call:
         return _Call("POST", "/wake_up", params={} if tags is None else {"tags": tags})
 
-    is_sleeping = _Call("GET", "/is_sleeping", key="is_sleeping")
+    is_sleeping = _Call("GET", "/is_sleeping", key="is_sleeping", idempotent=True)
 
 
 def _result(call: _Call, response: httpx.Response) -> Any:
@@ -137,7 +147,13 @@ class RLServeClient:
         self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout)
 
     def _send(self, call: _Call) -> Any:
-        return _result(call, self._http.request(call.method, call.path, params=call.params, json=call.json))
+        for delay in call.retry_delays():
+            try:
+                return _result(call, self._http.request(call.method, call.path, params=call.params, json=call.json))
+            except httpx.TransportError:
+                if delay is None:
+                    raise
+                time.sleep(delay)
 
     def close(self) -> None:
         self._http.close()
@@ -225,7 +241,14 @@ class AsyncRLServeClient:
         self._http = httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=timeout)
 
     async def _send(self, call: _Call) -> Any:
-        return _result(call, await self._http.request(call.method, call.path, params=call.params, json=call.json))
+        for delay in call.retry_delays():
+            try:
+                response = await self._http.request(call.method, call.path, params=call.params, json=call.json)
+                return _result(call, response)
+            except httpx.TransportError:
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
         await self._http.aclose()
