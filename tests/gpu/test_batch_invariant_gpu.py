@@ -62,3 +62,25 @@ def test_batch_invariant_on_cuda(model_dir, lm_head_dtype) -> None:
         mine = trainer_logprobs(trainer, prompts, [t for t, _ in results], temperature=TEMPERATURE, processed=True)
         for (_, engine_logprobs), values in zip(results, mine, strict=True):
             assert engine_logprobs == values.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_trainer_gradients_on_cuda(model_dir, dtype) -> None:
+    """The batch-invariant trainer forward under autograd (Triton matmul, fused kernels and varlen attention, each
+    with its PyTorch backward): the bits of the same forward without autograd, and the regular forward's gradients."""
+    prompts, completions = [TARGET, *OTHERS[:20]], [OTHERS[30 + i][:24] for i in range(21)]
+    exact_model = load_training_model(model_dir, dtype, "cuda", batch_invariant=True)
+    exact = trainer_logprobs(exact_model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    with torch.no_grad():
+        no_grad = trainer_logprobs(exact_model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    assert all(torch.equal(e.detach(), n) for e, n in zip(exact, no_grad, strict=True))
+    regular_model = load_training_model(model_dir, dtype, "cuda")
+    regular = trainer_logprobs(regular_model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    for values in (exact, regular):
+        torch.stack([v.sum() for v in values]).sum().backward()
+    # fp32: the same function at values ~1e-6 apart; bf16: values a few bf16 ulps apart, so the gradients agree in
+    # direction and size, not in their bits.
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    for (name, p), q in zip(exact_model.named_parameters(), regular_model.parameters(), strict=True):
+        difference = (p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()
+        assert q.grad.norm() > 0 and difference <= tolerance, (name, float(difference))

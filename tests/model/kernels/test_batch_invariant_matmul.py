@@ -13,6 +13,7 @@ import torch
 
 interpret_helpers.require_triton()
 
+from rlserve.model.batch_invariant import triton_linear  # noqa: E402
 from rlserve.model.kernels.batch_invariant_matmul import BLOCK_K, BLOCK_M, BLOCK_N, matmul  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
@@ -67,3 +68,22 @@ def test_strided_rows_and_bad_shapes() -> None:
     with pytest.raises(ValueError, match="dtype|is torch"):
         matmul(x.double(), w)
     assert matmul(x[:0], w).shape == (0, N)
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_linear_has_the_kernels_values_and_linears_gradients(bias) -> None:
+    """The trainer's path (rlserve.model.batch_invariant.triton_linear): the kernel's bits forward, and the gradients
+    of F.linear for x, the weight and the bias."""
+    x, w, b = operands(torch.float32, bias)
+    leaves = [t.clone().requires_grad_() for t in (x, w, *([b] if bias else []))]
+    out = triton_linear(*leaves)
+    assert out.requires_grad and torch.equal(out.detach(), matmul(x, w, b))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, leaves, grad_out)
+    reference = [t.clone().requires_grad_() for t in leaves]
+    expected = torch.autograd.grad(torch.nn.functional.linear(*reference), reference, grad_out)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * K**0.5)
+    with torch.no_grad():
+        assert not triton_linear(*leaves).requires_grad
