@@ -15,11 +15,12 @@ that of the PyTorch code computing the same function (rlserve.model.batch_invari
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rlserve.model.attention import AttentionBackend, AttentionMetadata, create_attention_backend
 from rlserve.model.batch_invariant import exact_values
@@ -125,6 +126,26 @@ def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]
     ctx = ForwardContext(meta, [(no_cache, no_cache)] * model.spec.num_layers, ContiguousAttention())
     hidden = model(ids, positions, ctx)
     return list(hidden.split(lengths))
+
+
+def causal_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, L, V] of right-padded sequences [B, L] from a Hugging Face causal LM or rlserve's decoder (every row
+    at its full length, in one packed forward). A row's real positions never see its padding; in batch-invariant mode
+    they are also the engine's bits, whatever the other rows."""
+    if isinstance(model, DecoderForCausalLM):
+        hidden = forward_hidden(model, input_ids.tolist())
+        return model.compute_logits(torch.cat(hidden)).view(*input_ids.shape, -1)
+    return model(input_ids, use_cache=False).logits
+
+
+def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs for the engine, in a stable order: a Hugging Face model's parameters are named
+    so already; rlserve's decoder names the pieces of its fused parameters."""
+    if isinstance(model, DecoderForCausalLM):
+        yield from model.checkpoint_weights()
+        return
+    for name, param in model.named_parameters():
+        yield name, param.detach()
 
 
 def _paged_prefill_context(model: DecoderForCausalLM, lengths: list[int], cu_seqlens_q: torch.Tensor) -> ForwardContext:
