@@ -84,3 +84,19 @@ def test_batch_invariant_trainer_gradients_on_cuda(model_dir, dtype) -> None:
     for (name, p), q in zip(exact_model.named_parameters(), regular_model.parameters(), strict=True):
         difference = (p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()
         assert q.grad.norm() > 0 and difference <= tolerance, (name, float(difference))
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)])
+def test_matmul_rows_do_not_depend_on_the_batch_at_qwen3_shapes(n, k) -> None:
+    """Each weight of Qwen3-0.6B with the tile `tile_for` gives it (wide for qkv, gate_up and the LM head, narrow for
+    o_proj and down_proj): a row's bits alone, in any batch and at any place in a tile."""
+    from rlserve.model.kernels.batch_invariant_matmul import matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1100, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    full = matmul(x, w)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
+    for rows in (1, 7, 64, 65, 127, 129, 300, 1024):
+        assert torch.equal(matmul(x[:rows], w), full[:rows]), rows
+        assert torch.equal(matmul(x[-rows:], w), full[-rows:]), rows
