@@ -10,7 +10,8 @@ output tokens), on the `qwen3-0.6b-shape` model (`--preset`), bf16. Each compone
 - matmuls: every projection of every layer and the LM head, cuBLAS (`F.linear`) against the batch-invariant Triton
   matmul with the tile `tile_for` gives each weight (rlserve.model.kernels.batch_invariant_matmul);
 - attention, per layer x layers: the split-KV decode kernel (default) against the varlen kernel with the
-  batch-invariant tile (what batch-invariant decode runs);
+  batch-invariant tile (what batch-invariant decode runs), and a W1 prefill step (64 x 256 tokens) in both modes;
+  both also with the long-prompt tile batch-invariant mode used before 2026-12-01;
 - sampler: temperature 1.0 sampling with the chosen token's logprob, the fused kernel (default) against the PyTorch
   path (batch-invariant mode turns the fused sampler off).
 The fused norm/rotary/activation kernels are the same in both modes and are not timed. `--w1` runs W1 through the
@@ -34,7 +35,7 @@ from transformers import AutoConfig
 from triton.testing import do_bench
 
 from rlserve.model.kernels.batch_invariant_matmul import Tile, matmul, tile_for
-from rlserve.model.kernels.paged_attention import paged_attention, paged_decode_attention
+from rlserve.model.kernels.paged_attention import _launch_paged_attention, paged_attention, paged_decode_attention
 from rlserve.model.models.llama import spec_from_hf_config
 from rlserve.model.sampler import Sampler, SamplingMetadata
 from rlserve.toy import PRESETS
@@ -100,20 +101,37 @@ def profile_matmuls(spec, batch: int, sweep: bool) -> tuple[float, float]:
 
 
 def profile_attention(spec, batch: int) -> tuple[float, float]:
+    """Decode (the step the table adds up) and a W1 prefill step (64 prompts of 256 tokens), each in the default
+    mode, in batch-invariant mode, and with the long-prompt tile batch-invariant mode used before 2026-12-01."""
     gen = torch.Generator().manual_seed(0)
-    lens = [(1, int(n)) for n in torch.randint(257, 513, (batch,), generator=gen)]
-    b = make_batch(lens, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
-    scale = spec.head_dim**-0.5
-    q = b.q.contiguous()
-    max_seq_len = max(b.ctx_lens)
-    split = bench_ms(lambda: paged_decode_attention(q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, scale,
-                                                    max_seq_len=max_seq_len))  # fmt: skip
-    varlen = bench_ms(lambda: paged_attention(q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables,
-                                              scale, 1, batch_invariant=True))  # fmt: skip
-    layers = spec.num_layers
-    print(f"\nattention, decode at batch {batch}, context 257..512 (ms per layer; x {layers} per step)")
-    print(f"split-KV decode (default) {split:.4f}   varlen, batch-invariant tile {varlen:.4f}   {varlen / split:.2f}x")
-    return layers * split, layers * varlen
+    scale, layers = spec.head_dim**-0.5, spec.num_layers
+    heads = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+    decode = make_batch([(1, int(n)) for n in torch.randint(257, 513, (batch,), generator=gen)], **heads)
+    prefill = make_batch([(256, 256)] * 64, **heads)
+    times = {}
+    for step, b in (("decode", decode), ("prefill", prefill)):
+        default, invariant, former = times[step] = attention_times(b, scale, decode=step == "decode")
+        print(
+            f"\nattention, {step} ({len(b.q_lens)} sequences; ms per layer, x {layers} per step): default "
+            f"{default:.4f}, batch-invariant {invariant:.4f} ({invariant / default:.2f}x), former batch-invariant "
+            f"tile {former:.4f} ({former / default:.2f}x)"
+        )
+    return layers * times["decode"][0], layers * times["decode"][1]
+
+
+def attention_times(b, scale: float, decode: bool) -> tuple[float, float, float]:
+    """(default, batch-invariant, former batch-invariant tile) ms of one layer's attention over batch b."""
+    q, args = b.q.contiguous(), (b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, scale)
+    out = torch.empty_like(q)
+    if decode:
+        max_seq_len = max(b.ctx_lens)
+        default = bench_ms(lambda: paged_decode_attention(q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, scale,
+                                                          max_seq_len=max_seq_len))  # fmt: skip
+    else:
+        default = bench_ms(lambda: paged_attention(q, *args, b.max_seqlen_q))
+    invariant = bench_ms(lambda: paged_attention(q, *args, b.max_seqlen_q, batch_invariant=True))
+    former = bench_ms(lambda: _launch_paged_attention(q, *args, out, 64, 64, 4, 2))
+    return default, invariant, former
 
 
 def profile_sampler(spec, batch: int) -> tuple[float, float]:
