@@ -14,7 +14,7 @@ from rlserve.toy import make_model_dir
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TEMPERATURE = 0.7
-TARGET = list(range(30, 30 + 83))  # several 64-key attention tiles, a partial last one
+TARGET = list(range(30, 30 + 200))  # a full 128-key attention tile (the batch-invariant one) and a partial one
 # 80 other requests of many lengths: linear layers see several 64-row tiles, decode batches shrink as they finish.
 OTHERS = [[(200 + i + j) % 250 for j in range(1 + (i * 37) % 150)] for i in range(80)]  # the vocabulary has 259
 
