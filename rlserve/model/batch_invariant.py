@@ -6,8 +6,8 @@ decode step and by a prefill. In batch-invariant mode (`EngineConfig.batch_invar
 the same way whatever the batch, which makes a request's logprobs independent of what else runs, and equal, bit for
 bit, to rlserve's trainer-side forward (`rlserve.rl.train_forward`), which runs these same functions.
 
-- CUDA: one Triton matmul with a fixed tile shape and no split over K, so each output element is reduced over K in
-  the same order for any number of rows.
+- CUDA: one Triton matmul whose tile depends on the weight only, with no split over K, so each output element is
+  reduced over K in the same order for any number of rows.
 - CPU: the BLAS GEMM path. It takes a different kernel for very few rows (1 to about 8), and the same one from 16 rows
   up (checked by tests/model/test_batch_invariant.py); inputs with fewer rows are padded to 16.
 
