@@ -3,9 +3,8 @@
 GPU:  python benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape
 CPU:  python benchmarks/throughput.py --device cpu --preset small --scale 0.03 --hf dynamic
 
-The roofline is computed for the batch schedule the engine actually ran: every step must at least read all weights
-and the KV of every scheduled sequence and write the new KV (bandwidth measured here by a large device copy), or do
-2 x params x tokens FLOP (matrix rate measured here by a large bf16 matmul), whichever takes longer.
+The roofline (benchmarks/roofline.py, which states the model) is computed for the batch schedule the engine actually
+ran, with bandwidth and matrix rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -14,72 +13,16 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import torch
+from roofline import instrument, measure_ceilings, model_cost, roofline_seconds, timed
 
 from rlserve import LLM, SamplingParams
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.toy import make_model_dir
-
-
-@dataclass
-class StepLog:
-    steps: list[tuple[int, int, int]] = field(default_factory=list)  # (tokens computed, sum of context, batch)
-
-
-def measure_ceilings(device: torch.device) -> tuple[float, float]:
-    """(copy bandwidth in B/s counting read + write, matmul FLOP/s: bf16 on CUDA, fp32 on CPU)."""
-    cuda = device.type == "cuda"
-    nbytes, dim = (1 << 30, 8192) if cuda else (1 << 26, 512)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    copy_s = statistics.median(_time(lambda: dst.copy_(src), device) for _ in range(10))
-    mat = torch.randn(dim, dim, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-    matmul_s = statistics.median(_time(lambda: mat @ mat, device) for _ in range(10))
-    if cuda:
-        src = dst = mat = None
-        torch.cuda.empty_cache()
-    return 2 * nbytes / copy_s, 2 * dim**3 / matmul_s
-
-
-def _time(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
-
-
-def roofline_seconds(log: StepLog, weight_bytes: int, params: int, kv_bytes_per_token: int, bw: float, flops: float):
-    total = 0.0
-    for tokens, context, _ in log.steps:
-        moved = weight_bytes + context * kv_bytes_per_token + tokens * kv_bytes_per_token
-        total += max(moved / bw, 2 * params * tokens / flops)
-    return total
-
-
-def instrument(llm: LLM) -> StepLog:
-    """Record what every step computed (benchmark-only wrapper around the runner)."""
-    log = StepLog()
-    runner = llm.engine_core.runner
-    launch = runner.launch
-
-    def logged(scheduled, prev):
-        tokens = sum(s.num_new_tokens for s in scheduled)
-        context = sum(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
-        log.steps.append((tokens, context, len(scheduled)))
-        return launch(scheduled, prev)
-
-    runner.launch = logged
-    return log
-
 
 # Engine settings that hold all of W1's 1,024 sequences in one batch; the benchmarks that run W1 share them.
 W1_ENGINE = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384, "max_model_len": 2048}
@@ -147,7 +90,7 @@ def run_hf(model_dir: str, device: torch.device, dtype: torch.dtype, mode: str, 
         kwargs["cache_implementation"] = "static"
     with torch.inference_mode():
         model.generate(ids, **kwargs)  # warm-up (and compilation)
-        seconds = _time(lambda: model.generate(ids, **kwargs), device)
+        seconds = timed(lambda: model.generate(ids, **kwargs), device)
     model = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -183,8 +126,11 @@ def main() -> int:
     dtype = getattr(torch, dtype_name)
 
     model_dir = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=dtype))
-    bw, flops = measure_ceilings(device)
-    print(f"ceilings: copy {bw / 1e12:.3f} TB/s, matmul {flops / 1e12:.1f} TFLOP/s", flush=True)
+    ceilings = measure_ceilings(device)
+    print(
+        f"ceilings: bandwidth {ceilings.bandwidth / 1e12:.3f} TB/s, matmul {ceilings.matmul_flops / 1e12:.1f} TFLOP/s",
+        flush=True,
+    )
     # Hugging Face first, while the GPU is empty; the engine then takes the memory it sizes its cache from.
     hf_rows = []
     for mode in [m for m in args.hf.split(",") if m and m != "none"]:
@@ -208,14 +154,12 @@ def main() -> int:
     startup = time.perf_counter() - t0
     runner = llm.engine_core.runner
     spec = runner.spec
-    params = sum(p.numel() for p in runner.model.parameters())
-    weight_bytes = params * dtype.itemsize
-    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    cost = model_cost(runner.model, spec, dtype)
     print(
         f"engine start {startup:.1f}s; KV cache: {runner.num_blocks} blocks x {runner.bytes_per_block} B/block "
         f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; "
         f"fits {runner.num_blocks * runner.block_size // 512} sequences of 512 tokens; "
-        f"weights {weight_bytes / 1e9:.2f} GB",
+        f"weights {cost.weight_bytes / 1e9:.2f} GB",
         flush=True,
     )
     log = instrument(llm)
@@ -241,7 +185,7 @@ def main() -> int:
             llm.reset_prefix_cache()  # the profiled run cached these very prompts
             log.steps.clear()
         dt, out_tokens = run_engine(llm, prompts, sps)
-        roof = roofline_seconds(log, weight_bytes, params, kv_bytes_per_token, bw, flops)
+        roof = roofline_seconds(log.steps, cost, ceilings)
         hits = llm.engine_core.kv_cache.prefix_hits - hits0[0]
         queries = llm.engine_core.kv_cache.prefix_queries - hits0[1]
         row = dict(
@@ -253,7 +197,7 @@ def main() -> int:
             roofline_tok_s=out_tokens / roof,
             fraction=roof / dt,
             steps=len(log.steps),
-            max_batch=max(b for _, _, b in log.steps),
+            max_batch=max(step.batch for step in log.steps),
             prefix_hit_rate=hits / max(queries, 1),
         )
         rows.append(row)
@@ -273,7 +217,7 @@ def main() -> int:
         )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(rows=rows, hf=hf_rows, copy_bw=bw, matmul_flops=flops, device=str(device)), f, indent=1)
+            json.dump(dict(rows=rows, hf=hf_rows, **dataclasses.asdict(ceilings), device=str(device)), f, indent=1)
     return 0
 
 

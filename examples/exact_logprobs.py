@@ -3,8 +3,8 @@
 An RL loss weighs every token by exp(trainer logprob - behaviour logprob). In batch-invariant mode the engine computes
 each request the same way whatever else it is batched with, and rlserve's trainer-side forward runs the same kernels,
 so the ratio of an on-policy token is exactly 1: no importance-sampling correction is spent on numerical noise. This
-script samples a batch, recomputes its logprobs trainer-side with `exact_trainer_logprobs` (the batch-invariant
-forward's values, the regular forward's gradients), takes an optimizer step on a policy-gradient loss, pushes the new
+script samples a batch, recomputes its logprobs trainer-side with rlserve's decoder in batch-invariant mode (one
+forward: the engine's values, with gradients), takes an optimizer step on a policy-gradient loss, pushes the new
 weights into the engine and checks again; then shows that a request's logprobs do not depend on its batch.
 
     python examples/exact_logprobs.py
@@ -19,7 +19,7 @@ import torch
 
 from rlserve import LLM, SamplingParams
 from rlserve.rl.train_forward import load_training_model
-from rlserve.rl.trainer_logprobs import compare_logprobs, exact_trainer_logprobs
+from rlserve.rl.trainer_logprobs import compare_logprobs, trainer_logprobs
 from rlserve.toy import make_model_dir
 
 TEMPERATURE = 0.8
@@ -45,14 +45,14 @@ def main() -> None:
 def run(model_dir: Path) -> None:
     # processed_logprobs: the distribution actually sampled (after temperature), the behaviour policy of the ratio.
     llm = LLM(str(model_dir), batch_invariant=True, logprobs_mode="processed_logprobs", num_kv_blocks=256)
-    trainer = load_training_model(model_dir)  # rlserve's decoder, trainable
+    trainer = load_training_model(model_dir, batch_invariant=True)  # rlserve's decoder, trainable
     optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (5, 12, 20, 33, 7, 16)]
 
     for step in range(2):
         completions, engine_logprobs = sample(llm, prompts, seed=100 * step)
-        mine = exact_trainer_logprobs(trainer, prompts, completions, temperature=TEMPERATURE)
+        mine = trainer_logprobs(trainer, prompts, completions, temperature=TEMPERATURE, processed=True)
         stats = compare_logprobs(engine_logprobs, [m.detach() for m in mine])
         print(
             f"step {step}: {stats.num_tokens} tokens, max |engine - trainer| = {stats.max_abs_diff}, "

@@ -1,6 +1,7 @@
 """`rlserve demo`: asynchronous GRPO against a live rlserve server, with in-flight weight updates (PipelineRL-style).
 
-Two processes: this one is the trainer (a Hugging Face Qwen3 model in fp32, plain PyTorch GRPO); the engine is
+Two processes: this one is the trainer (a Hugging Face Qwen3 model in fp32, plain PyTorch GRPO; with --batch-invariant
+rlserve's own decoder, whose one forward per step gives the engine's logprobs bit for bit); the engine is
 `rlserve serve` in a subprocess. Rollouts stream from `/v1/completions` (n samples per prompt: one GRPO group per
 request, many requests in flight) and carry the engine's per-token logprobs and weight versions. After every
 optimizer step the trainer pushes its weights through the native API: pause(keep) -> start -> update (weights over
@@ -59,6 +60,7 @@ class DemoConfig:
     prompts_per_step: int = 32
     lr: float = 1e-3
     warmup_steps: int = 70  # supervised steps before RL: sampled reward starts around 0.2-0.3
+    batch_invariant: bool = False  # engine and trainer (rlserve's decoder) in batch-invariant mode: mismatch exactly 0
     out: Path | None = None  # None: runs/demo-<timestamp>
 
     def __post_init__(self) -> None:
@@ -201,7 +203,7 @@ def settings_caption(config: dict[str, Any]) -> str:
     return (
         f"{c['steps']} steps, model {c['model_size']} on {c['device']}, {c['prompts_per_step']} prompts x "
         f"{c['group_size']} samples per step, lr {c['lr']:g}, max lag {c['max_lag']}, {c['warmup_steps']} warm-up "
-        f"steps, weight transfer {c['backend']}, seed {c['seed']}"
+        f"steps, weight transfer {c['backend']}, seed {c['seed']}{', batch-invariant' if c['batch_invariant'] else ''}"
     )
 
 
@@ -264,8 +266,9 @@ async def run_demo(config: DemoConfig) -> DemoResult:
             model_dir = make_model_dir(Path(workdir) / "model", preset=config.model_size, seed=config.seed)
             log_path = out / "engine.log"
             with EngineServer(
-                model_dir, log_path=log_path, device=config.device, backend=config.backend, threads=threads
-            ) as server:
+                model_dir, log_path=log_path, device=config.device, backend=config.backend, threads=threads,
+                batch_invariant=config.batch_invariant,
+            ) as server:  # fmt: skip
                 result.summary["engine_url"] = server.base_url
                 await _train(config, server, model_dir, result)
         result.summary.update(summarize(result.steps))
@@ -288,7 +291,7 @@ async def _train(config: DemoConfig, server: EngineServer, model_dir: Path, resu
     # The engine starts (imports, model load) while the trainer warms up: both take seconds.
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_trainer_model(model_dir, config.device)
+    model = load_trainer_model(model_dir, config.device, config.batch_invariant)
     warm_up(model, tokenizer, task, config.warmup_steps, config.seed)
     result.summary["warmup_s"] = time.perf_counter() - t0
     await server.wait_ready()
@@ -371,7 +374,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config = DemoConfig(
             steps=args.steps, model_size=args.model_size, device=args.device, backend=args.backend, seed=args.seed,
             max_lag=args.max_lag, group_size=args.group_size, prompts_per_step=args.prompts_per_step, lr=args.lr,
-            warmup_steps=args.warmup_steps, out=args.out,
+            warmup_steps=args.warmup_steps, batch_invariant=args.batch_invariant, out=args.out,
         )  # fmt: skip
     except ValueError as e:
         print(f"rlserve demo: {e}", file=sys.stderr)
@@ -406,5 +409,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="groups per optimizer step")
     p.add_argument("--lr", type=float, default=d.lr, help="the trainer's learning rate (Adam)")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="supervised steps before RL")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="engine in batch-invariant mode, trainer rlserve's decoder in it: one forward gives the engine's logprobs "
+        "bit for bit (mismatch KL exactly 0, on-policy ratios exactly 1) and the loss's gradients",
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/demo-<timestamp>)")
     p.set_defaults(func=cmd_demo)

@@ -52,12 +52,14 @@ class EngineServer:
         device: str = "cpu",
         backend: str = "nccl",
         threads: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model_dir = str(model_dir)
         self.log_path = Path(log_path)
         self.device = device
         self.backend = backend
         self.threads = threads
+        self.batch_invariant = batch_invariant
         self.port = free_port()
         self.api_key = secrets.token_hex(16)
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -70,7 +72,7 @@ class EngineServer:
             *engine_flags(
                 weight_transfer_config={"backend": self.backend}, device=self.device, dtype="float32",
                 # The logprobs of the distribution actually sampled: the behaviour policy of the importance ratio.
-                logprobs_mode="processed_logprobs",
+                logprobs_mode="processed_logprobs", batch_invariant=self.batch_invariant,
             ),
             # The engine's start-up facts and phases go to the log; uvicorn's line per request would bury them.
             "--log-level", "info", "--uvicorn-log-level", "warning",

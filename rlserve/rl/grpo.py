@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from rlserve.rl.train_forward import causal_logits, checkpoint_weights
+
 
 @dataclass(frozen=True)
 class GRPOConfig:
@@ -165,15 +167,29 @@ class TrainStats:
     loss_stats: LossStats
 
 
+class _Logits(nn.Module):
+    """A model's `causal_logits` as a module call, so that functional_call can run it on earlier weights."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return causal_logits(self.model, input_ids)
+
+
 class Policy:
     """The trainer's model, its optimizer, and the weight version it is at (one per optimizer step).
 
-    `model` must be a causal LM whose `named_parameters()` use checkpoint (Hugging Face) names, since those names are
-    what the engine's loader accepts, and whose forward returns an object with `.logits`.
+    `model`: a Hugging Face causal LM whose parameter names are checkpoint names, or rlserve's decoder
+    (rlserve.rl.train_forward.load_training_model). Loaded with batch_invariant=True, against an engine in
+    batch-invariant mode, the one forward of a step gives the engine's logprobs bit for bit (on-policy ratios of
+    exactly 1, a mismatch of exactly 0) and the loss's gradients.
     """
 
     def __init__(self, model: nn.Module, config: GRPOConfig | None = None, version: int = 0) -> None:
         self.model = model
+        self._logits = _Logits(model)
         self.config = config = config or GRPOConfig()
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
         self.version = version
@@ -182,25 +198,26 @@ class Policy:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) pairs to send to the engine, in a stable order."""
-        for name, param in self.model.named_parameters():
-            yield name, param.detach()
+        return checkpoint_weights(self.model)
 
     def _snapshot(self) -> None:
-        self._snapshots[self.version] = {name: t.clone() for name, t in self.named_weights()}
+        # Under _Logits' names, as functional_call takes them.
+        self._snapshots[self.version] = {
+            f"model.{name}": p.detach().clone() for name, p in self.model.named_parameters()
+        }
         for old in [v for v in self._snapshots if v < self.version - self.config.keep_versions]:
             del self._snapshots[old]
 
     def logprobs(self, batch: TokenBatch, version: int | None = None) -> torch.Tensor:
         """Logprobs [B, L-1] of the batch's targets under the current weights, or under an earlier `version`."""
         if version is None or version == self.version:
-            logits = self.model(batch.input_ids, use_cache=False).logits
+            logits = self._logits(batch.input_ids)
         else:
             if version not in self._snapshots:
                 raise KeyError(
                     f"weight version {version} is no longer kept (keep_versions={self.config.keep_versions})"
                 )
-            logits = functional_call(self.model, self._snapshots[version], (batch.input_ids,), {"use_cache": False})
-            logits = logits.logits
+            logits = functional_call(self._logits, self._snapshots[version], (batch.input_ids,))
         return token_logprobs(logits[:, :-1], batch.targets)
 
     def mismatch_kl(self, batch: TokenBatch, current: torch.Tensor) -> float:
@@ -253,7 +270,7 @@ def supervised_warmup(
         # Only the token layout and the completion mask are used: logprobs, versions and reward are placeholders.
         rollouts = [Rollout(p, c, [0.0] * len(c), [0] * len(c), 0.0) for p, c in pairs]
         batch = TokenBatch.from_rollouts(rollouts, pad_id, device)
-        logits = model(batch.input_ids, use_cache=False).logits
+        logits = causal_logits(model, batch.input_ids)
         loss = -_masked_mean(token_logprobs(logits[:, :-1], batch.targets), batch.mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

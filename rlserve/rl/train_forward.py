@@ -6,21 +6,24 @@ causally within each packed sequence, so a difference between engine and trainer
 come from the paged attention path, batching, or the sampler, never from a second model implementation.
 
 A model loaded with `batch_invariant=True` is the reference of the engine's batch-invariant mode: the sequences go
-through the engine's own batch-invariant attention backend over a paged cache built for them, and every projection
-through the same batch-invariant matmul, so its logprobs equal the engine's bit for bit. That forward has no backward
-(the GPU kernels are Triton's, without gradients): it runs without autograd. To train on its values,
-`rlserve.rl.trainer_logprobs.exact_trainer_logprobs` takes the gradients from the regular forward (straight-through).
+through the engine's own batch-invariant attention backend over a paged cache built for them, every projection
+through the same batch-invariant matmul and, on CUDA, every norm, rotary and activation through the engine's fused
+kernels, so its logprobs equal the engine's bit for bit. It trains too, in that one forward: each kernel's backward is
+that of the PyTorch code computing the same function (rlserve.model.batch_invariant.exact_values), for attention
+`ContiguousAttention`'s. The gradients are those of the regular forward's computation evaluated at the exact values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from rlserve.model.attention import AttentionMetadata, create_attention_backend
+from rlserve.model.attention import AttentionBackend, AttentionMetadata, create_attention_backend
+from rlserve.model.batch_invariant import exact_values
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
 
@@ -57,6 +60,32 @@ class ContiguousAttention:
         return torch.cat(outputs)
 
 
+class ExactAttention:
+    """The engine's batch-invariant backend for the values (it stores k/v in the paged cache and reads them back),
+    `ContiguousAttention`'s backward for the gradients."""
+
+    def __init__(self, engine_backend: AttentionBackend) -> None:
+        self.engine_backend = engine_backend
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        def engine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.engine_backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+        def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ContiguousAttention().forward(q, k, v, k_cache, v_cache, meta, scale)
+
+        return exact_values(engine, reference, q, k, v)
+
+
 def load_training_model(
     model_dir: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -64,10 +93,10 @@ def load_training_model(
     batch_invariant: bool = False,
 ) -> DecoderForCausalLM:
     """rlserve's model with the checkpoint's weights, parameters trainable (the engine's loader freezes them);
-    batch_invariant: the reference forward of the engine's batch-invariant mode (no gradients, see above)."""
+    batch_invariant: the reference forward of the engine's batch-invariant mode (see above)."""
     model, _ = load_model(str(model_dir), dtype, torch.device(device))
     model.set_batch_invariant(batch_invariant)
-    return model.train().requires_grad_(not batch_invariant)
+    return model.train().requires_grad_()
 
 
 def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -80,8 +109,7 @@ def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     if model.batch_invariant:
-        with torch.no_grad():
-            hidden = model(ids, positions, _paged_prefill_context(model, lengths, cu))
+        hidden = model(ids, positions, _paged_prefill_context(model, lengths, cu))
         return list(hidden.split(lengths))
     meta = AttentionMetadata(
         slot_mapping=torch.full((len(ids),), -1, dtype=torch.long, device=device),
@@ -98,6 +126,26 @@ def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]
     ctx = ForwardContext(meta, [(no_cache, no_cache)] * model.spec.num_layers, ContiguousAttention())
     hidden = model(ids, positions, ctx)
     return list(hidden.split(lengths))
+
+
+def causal_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, L, V] of right-padded sequences [B, L] from a Hugging Face causal LM or rlserve's decoder (every row
+    at its full length, in one packed forward). A row's real positions never see its padding; in batch-invariant mode
+    they are also the engine's bits, whatever the other rows."""
+    if isinstance(model, DecoderForCausalLM):
+        hidden = forward_hidden(model, input_ids.tolist())
+        return model.compute_logits(torch.cat(hidden)).view(*input_ids.shape, -1)
+    return model(input_ids, use_cache=False).logits
+
+
+def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) pairs for the engine, in a stable order: a Hugging Face model's parameters are named
+    so already; rlserve's decoder names the pieces of its fused parameters."""
+    if isinstance(model, DecoderForCausalLM):
+        yield from model.checkpoint_weights()
+        return
+    for name, param in model.named_parameters():
+        yield name, param.detach()
 
 
 def _paged_prefill_context(model: DecoderForCausalLM, lengths: list[int], cu_seqlens_q: torch.Tensor) -> ForwardContext:
@@ -129,4 +177,4 @@ def _paged_prefill_context(model: DecoderForCausalLM, lengths: list[int], cu_seq
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(spec.num_layers)
     ]
-    return ForwardContext(meta, caches, create_attention_backend("auto", device, batch_invariant=True))
+    return ForwardContext(meta, caches, ExactAttention(create_attention_backend("auto", device, batch_invariant=True)))

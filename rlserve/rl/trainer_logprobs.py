@@ -2,8 +2,8 @@
 
 `compare_logprobs` is what a trainer calls on its own batches (engine logprobs from the rollouts, its own logprobs of
 the same tokens). `trainer_logprobs` computes the trainer side for a Hugging Face model or rlserve's own decoder run in
-training mode (`rlserve.rl.train_forward`); `exact_trainer_logprobs` is its straight-through variant for training
-against an engine in batch-invariant mode.
+training mode (`rlserve.rl.train_forward`); on that decoder loaded with `batch_invariant=True` it gives the logprobs of
+an engine in batch-invariant mode bit for bit, with their gradients, in one forward.
 """
 
 from __future__ import annotations
@@ -136,34 +136,3 @@ def trainer_logprobs(
     return [
         _token_logprobs(x, c, temperature, top_k, top_p, processed) for x, c in zip(logits, completion_ids, strict=True)
     ]
-
-
-def exact_trainer_logprobs(
-    model: DecoderForCausalLM,
-    prompt_ids: TokenIds,
-    completion_ids: TokenIds,
-    temperature: float = 1.0,
-    top_k: int = -1,
-    top_p: float = 1.0,
-    processed: bool = True,
-) -> list[torch.Tensor]:
-    """For training against an engine in batch-invariant mode: the values are those of the batch-invariant forward,
-    equal to the engine's logprobs bit for bit (an on-policy token's ratio is exactly 1), the gradients those of the
-    model's regular training forward, since the batch-invariant kernels have no backward. Straight-through:
-    exact + (regular - regular.detach()), whose value is `exact` exactly. Costs one extra forward without autograd.
-
-    `model`: rlserve's decoder as `train_forward.load_training_model(dir)` returns it (trainable, not batch-invariant).
-    """
-    if not isinstance(model, DecoderForCausalLM):
-        raise ValueError(f"model: expected rlserve's DecoderForCausalLM, got {type(model).__name__}")
-    args = (prompt_ids, completion_ids, temperature, top_k, top_p, processed)
-    was_invariant = model.batch_invariant
-    try:
-        model.set_batch_invariant(True)
-        with torch.no_grad():
-            exact = trainer_logprobs(model, *args)
-        model.set_batch_invariant(False)
-        regular = trainer_logprobs(model, *args)
-    finally:
-        model.set_batch_invariant(was_invariant)
-    return [e + (r - r.detach()) for e, r in zip(exact, regular, strict=True)]

@@ -1,4 +1,5 @@
-"""The trainer's model for GRPO on a toy task: Hugging Face Qwen3 in fp32, warmed up supervised before RL."""
+"""The trainer's model for GRPO on a toy task, in fp32, warmed up supervised before RL: Hugging Face Qwen3, or
+rlserve's decoder in batch-invariant mode when the engine runs in it (the engine's logprobs bit for bit)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlserve.rl.grpo import supervised_warmup
 from rlserve.rl.tasks import AdditionTask
+from rlserve.rl.train_forward import load_training_model
 
 
-def load_trainer_model(model_dir: str | Path, device: str = "cpu") -> torch.nn.Module:
-    """The trainer's copy: Hugging Face's Qwen3ForCausalLM in fp32, whose parameter names are checkpoint names."""
+def load_trainer_model(model_dir: str | Path, device: str = "cpu", batch_invariant: bool = False) -> torch.nn.Module:
+    """The trainer's copy in fp32: Hugging Face's Qwen3ForCausalLM, whose parameter names are checkpoint names; with
+    batch_invariant, rlserve's decoder in batch-invariant mode (rlserve.rl.train_forward)."""
+    if batch_invariant:
+        return load_training_model(model_dir, torch.float32, device, batch_invariant=True)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
 
 

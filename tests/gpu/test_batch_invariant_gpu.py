@@ -14,7 +14,7 @@ from rlserve.toy import make_model_dir
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TEMPERATURE = 0.7
-TARGET = list(range(30, 30 + 83))  # several 64-key attention tiles, a partial last one
+TARGET = list(range(30, 30 + 200))  # a full 128-key attention tile (the batch-invariant one) and a partial one
 # 80 other requests of many lengths: linear layers see several 64-row tiles, decode batches shrink as they finish.
 OTHERS = [[(200 + i + j) % 250 for j in range(1 + (i * 37) % 150)] for i in range(80)]  # the vocabulary has 259
 
@@ -62,3 +62,41 @@ def test_batch_invariant_on_cuda(model_dir, lm_head_dtype) -> None:
         mine = trainer_logprobs(trainer, prompts, [t for t, _ in results], temperature=TEMPERATURE, processed=True)
         for (_, engine_logprobs), values in zip(results, mine, strict=True):
             assert engine_logprobs == values.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_trainer_gradients_on_cuda(model_dir, dtype) -> None:
+    """The batch-invariant trainer forward under autograd (Triton matmul, fused kernels and varlen attention, each
+    with its PyTorch backward): the bits of the same forward without autograd, and the regular forward's gradients."""
+    prompts, completions = [TARGET, *OTHERS[:20]], [OTHERS[30 + i][:24] for i in range(21)]
+    exact_model = load_training_model(model_dir, dtype, "cuda", batch_invariant=True)
+    exact = trainer_logprobs(exact_model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    with torch.no_grad():
+        no_grad = trainer_logprobs(exact_model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    assert all(torch.equal(e.detach(), n) for e, n in zip(exact, no_grad, strict=True))
+    regular_model = load_training_model(model_dir, dtype, "cuda")
+    regular = trainer_logprobs(regular_model, prompts, completions, temperature=TEMPERATURE, processed=True)
+    for values in (exact, regular):
+        torch.stack([v.sum() for v in values]).sum().backward()
+    # fp32: the same function at values ~1e-6 apart; bf16: values a few bf16 ulps apart, so the gradients agree in
+    # direction and size, not in their bits.
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    for (name, p), q in zip(exact_model.named_parameters(), regular_model.parameters(), strict=True):
+        difference = (p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()
+        assert q.grad.norm() > 0 and difference <= tolerance, (name, float(difference))
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)])
+def test_matmul_rows_do_not_depend_on_the_batch_at_qwen3_shapes(n, k) -> None:
+    """Each weight of Qwen3-0.6B with the tile `tile_for` gives it (wide for qkv, gate_up and the LM head, narrow for
+    o_proj and down_proj): a row's bits alone, in any batch and at any place in a tile."""
+    from rlserve.model.kernels.batch_invariant_matmul import matmul
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1100, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    full = matmul(x, w)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
+    for rows in (1, 7, 64, 65, 127, 129, 300, 1024):
+        assert torch.equal(matmul(x[:rows], w), full[:rows]), rows
+        assert torch.equal(matmul(x[-rows:], w), full[-rows:]), rows

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlserve import SamplingParams
 from rlserve.rl.grpo import (
     GRPOConfig,
     Policy,
@@ -18,6 +19,7 @@ from rlserve.rl.grpo import (
     k3_kl,
     supervised_warmup,
 )
+from rlserve.rl.train_forward import load_training_model
 from rlserve.toy import make_model_dir
 
 
@@ -157,3 +159,34 @@ def test_supervised_warmup_lowers_the_loss(tiny_model: torch.nn.Module) -> None:
     losses = supervised_warmup(tiny_model, example, steps=30, pad_id=0, batch_size=16, seed=0)
     assert len(losses) == 30
     assert sum(losses[-5:]) < sum(losses[:5])
+
+
+def test_a_batch_invariant_policy_trains_on_the_engines_bits(model_dir: Path, make_llm, generate) -> None:
+    """rlserve's decoder in batch-invariant mode as the policy, against an engine in that mode: the one forward of a
+    step scores every token exactly as the engine did (ratios of exactly 1, mismatch exactly 0), also for samples
+    of an earlier version scored on its snapshot, and the weights it sends are the engine's checkpoint names."""
+    llm = make_llm(model_dir, batch_invariant=True, logprobs_mode="processed_logprobs")
+    policy = Policy(load_training_model(model_dir, batch_invariant=True), GRPOConfig(lr=1e-2, keep_versions=2))
+    prompts = [[10, 20, 30], [5, 6, 7, 8, 9, 11, 12]]
+
+    def sample(seed: int) -> list[Rollout]:
+        params = [
+            SamplingParams(temperature=1.0, seed=seed + i, max_tokens=6, logprobs=0, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        outputs = generate(llm, [{"prompt_token_ids": p} for p in prompts], params)
+        rollouts = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            tokens = list(out.outputs[0].token_ids)
+            logprobs = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+            rollouts.append(Rollout(prompt, tokens, logprobs, [policy.version] * len(tokens), 0.0))
+        return rollouts
+
+    first = sample(0)
+    stats = policy.train_step(TokenBatch.from_rollouts(first, pad_id=0), torch.tensor([1.0, -1.0]))
+    assert stats.mismatch_kl == 0.0 and stats.loss_stats.ratio_min == stats.loss_stats.ratio_max == 1.0
+    assert stats.grad_norm > 0
+    llm.load_weights(policy.named_weights())  # names like q_proj, not the decoder's fused qkv_proj
+    mixed = TokenBatch.from_rollouts([*first, *sample(10)], pad_id=0)  # versions 0 and 1
+    stats = policy.train_step(mixed, torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    assert stats.mismatch_kl == 0.0 and stats.loss_stats.ratio_min != stats.loss_stats.ratio_max

@@ -5,5 +5,5 @@ it imports triton, which CPU-only runs never load.
 - fused_ops: RMSNorm (with the residual add), Qwen3's q/k RMSNorm + rotary, SiLU-and-mul
 - fused_sampling: temperature sampling with the chosen token's logprob in one pass
 - paged_attention: KV-cache store, varlen causal attention and split-KV decode over the paged cache
-- batch_invariant_matmul: the fixed-tile matmul of batch-invariant mode
+- batch_invariant_matmul: the matmul of batch-invariant mode (its tile chosen by the weight, never by the batch)
 """

@@ -381,7 +381,11 @@ def _launch_paged_attention(
     )
 
 
-_BATCH_INVARIANT_QUERY_ROWS = 64  # the long-prompt tile shape, for every step in batch-invariant mode
+# Batch-invariant mode runs every step with the tile of one query run this long: the decode tile (16 rows, K/V in
+# 128-key tiles), since decode steps are most of an RL rollout. The long-prompt tile (64 rows) it used until
+# 2026-12-01 left 62 of a decode tile's 64 rows empty (one query x G heads), ~32x the tensor work a decode step needs;
+# prefill pays for the small tile instead (benchmarks/batch_invariant_profile.py times both).
+_BATCH_INVARIANT_QUERY_ROWS = 1
 
 
 def _prefill_config(max_seqlen_q: int, group: int, head_dim: int, elem_size: int) -> tuple[int, int, int, int]:

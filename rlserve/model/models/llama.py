@@ -75,6 +75,8 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
+    batch_invariant = False  # set by DecoderForCausalLM.set_batch_invariant: the fused kernels even under autograd
+
     def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -97,13 +99,16 @@ class Attention(nn.Module):
         q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        q, k = norm_and_rotate_qk(positions, q, k, self.rotary, (self.q_norm, self.k_norm) if self.qk_norm else None)
+        qk_norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = norm_and_rotate_qk(positions, q, k, self.rotary, qk_norms, exact=self.batch_invariant)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.flatten(1))
 
 
 class MLP(nn.Module):
+    batch_invariant = False  # as Attention's
+
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         size = spec.intermediate_size
@@ -111,7 +116,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), exact=self.batch_invariant))
 
 
 class DecoderLayer(nn.Module):
@@ -184,10 +189,11 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def set_batch_invariant(self, enabled: bool) -> None:
-        """Compute every projection and the LM head with the batch-invariant matmul (rlserve.model.batch_invariant)."""
+        """Compute every projection and the LM head with the batch-invariant matmul (rlserve.model.batch_invariant),
+        and run the fused kernels even under autograd, so that a trainer's forward gives the engine's bits."""
         self.batch_invariant = enabled
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.batch_invariant = enabled
 
     def drop_derived_weights(self) -> None:

@@ -13,7 +13,14 @@ import torch
 
 interpret_helpers.require_triton()
 
-from rlserve.model.kernels.batch_invariant_matmul import BLOCK_K, BLOCK_M, BLOCK_N, matmul  # noqa: E402
+from rlserve.model.batch_invariant import triton_linear  # noqa: E402
+from rlserve.model.kernels.batch_invariant_matmul import (  # noqa: E402
+    NARROW_TILE,
+    SMALL_TILE,
+    WIDE_TILE,
+    matmul,
+    tile_for,
+)
 
 interpreted = interpret_helpers.interpreted
 
@@ -24,7 +31,7 @@ if not interpret_helpers.IN_PROCESS:
 
 
 # Tails in every dimension: more rows than one tile, K not a multiple of BLOCK_K, N not a multiple of BLOCK_N.
-M, K, N = BLOCK_M + 11, BLOCK_K + 24, BLOCK_N + 9
+M, K, N = SMALL_TILE.block_m + 11, SMALL_TILE.block_k + 24, SMALL_TILE.block_n + 9
 
 
 def operands(dtype: torch.dtype, bias: bool):
@@ -48,12 +55,24 @@ def test_matmul_computes_x_times_w_transposed(dtype, bias) -> None:
 
 
 @interpreted
-def test_rows_do_not_depend_on_the_batch() -> None:
-    x, w, b = operands(torch.float32, True)
-    full = matmul(x, w, b)
-    for rows in (1, 2, 17, BLOCK_M, BLOCK_M + 1):
-        assert torch.equal(matmul(x[:rows], w, b), full[:rows]), rows
-        assert torch.equal(matmul(x[-rows:], w, b), full[-rows:]), rows
+@pytest.mark.parametrize("tile", [SMALL_TILE, NARROW_TILE, WIDE_TILE])
+def test_rows_do_not_depend_on_the_batch(tile) -> None:
+    gen = torch.Generator().manual_seed(2)
+    m, k, n = tile.block_m + 11, tile.block_k + 24, tile.block_n + 9
+    x, w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((m, k), (n, k), (n,)))
+    full = matmul(x, w, b, tile)
+    torch.testing.assert_close(full.float(), x.float() @ w.float().T + b.float(), rtol=2e-2, atol=2e-2 * k**0.5)
+    for rows in (1, 2, 17, tile.block_m, tile.block_m + 1):
+        assert torch.equal(matmul(x[:rows], w, b, tile), full[:rows]), rows
+        assert torch.equal(matmul(x[-rows:], w, b, tile), full[-rows:]), rows
+
+
+def test_the_tile_is_a_function_of_the_weight() -> None:
+    """Qwen3-0.6B's weights in bf16: the wide tile for qkv (4096 x 1024), gate_up and the LM head, the narrow one for
+    o_proj and down_proj (N = hidden = 1024); fp32 weights (an fp32 LM head) the small one."""
+    assert tile_for(4096, 1024, 2) == tile_for(6144, 1024, 2) == tile_for(151936, 1024, 2) == WIDE_TILE
+    assert tile_for(1024, 2048, 2) == tile_for(1024, 3072, 2) == NARROW_TILE
+    assert tile_for(151936, 1024, 4) == SMALL_TILE
 
 
 @interpreted
@@ -67,3 +86,22 @@ def test_strided_rows_and_bad_shapes() -> None:
     with pytest.raises(ValueError, match="dtype|is torch"):
         matmul(x.double(), w)
     assert matmul(x[:0], w).shape == (0, N)
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_linear_has_the_kernels_values_and_linears_gradients(bias) -> None:
+    """The trainer's path (rlserve.model.batch_invariant.triton_linear): the kernel's bits forward, and the gradients
+    of F.linear for x, the weight and the bias."""
+    x, w, b = operands(torch.float32, bias)
+    leaves = [t.clone().requires_grad_() for t in (x, w, *([b] if bias else []))]
+    out = triton_linear(*leaves)
+    assert out.requires_grad and torch.equal(out.detach(), matmul(x, w, b))
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(out, leaves, grad_out)
+    reference = [t.clone().requires_grad_() for t in leaves]
+    expected = torch.autograd.grad(torch.nn.functional.linear(*reference), reference, grad_out)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * K**0.5)
+    with torch.no_grad():
+        assert not triton_linear(*leaves).requires_grad

@@ -218,7 +218,32 @@ def test_decoder_forward_with_fused_kernels(dtype, qk_norm, monkeypatch):
     model = tiny_decoder(qk_norm, dtype)
     expected = run_decoder(model)
     assert layers.fused_kernels(expected) is None  # CPU tensors take the PyTorch path by themselves
-    monkeypatch.setattr(layers, "fused_kernels", lambda x: fused_ops)
+    monkeypatch.setattr(layers, "fused_kernels", lambda x, exact=False: fused_ops)
     # Two layers of bf16 matmuls may turn a one-ulp difference in a norm into a few ulp of the output.
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(run_decoder(model), expected, **tolerance)
+
+
+@interpreted
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_batch_invariant_decoder_trains_on_the_fused_kernels_values(qk_norm, monkeypatch):
+    """A model in batch-invariant mode runs the fused kernels under autograd too (the engine's bits, as a trainer
+    needs them): the same values as without autograd, and the gradients of the PyTorch code."""
+    model = tiny_decoder(qk_norm, torch.float32).requires_grad_()
+    regular = model.compute_logits(run_decoder(model))
+    regular.square().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    # As on CUDA: the kernels for a batch-invariant model under autograd, for anyone without it.
+    monkeypatch.setattr(
+        layers, "fused_kernels", lambda x, exact=False: fused_ops if exact or not torch.is_grad_enabled() else None
+    )
+    model.set_batch_invariant(True)
+    with torch.no_grad():
+        engine = model.compute_logits(run_decoder(model))
+    trained = model.compute_logits(run_decoder(model))
+    assert torch.equal(trained.detach(), engine)
+    trained.square().sum().backward()
+    for name, p in model.named_parameters():
+        # The losses' own fp32 roundings differ (values from the kernels, not from the PyTorch code): ~1e-6 relative.
+        assert (p.grad - expected[name]).norm() <= 1e-5 * expected[name].norm(), name

@@ -199,6 +199,32 @@ def test_paged_attention_long_prefill_tiles(block_size):
 
 
 @interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_query_bits_do_not_depend_on_the_step(dtype):
+    """batch_invariant=True: a query's output bits are the same in its whole prompt's prefill, in a chunk, in a decode
+    step alone and in a decode step beside another sequence, over one cache (what makes the engine's decode equal
+    the trainer's whole-sequence forward)."""
+    gen = torch.Generator().manual_seed(7)
+    batch = make_batch([(150, 150), (30, 30)], 2, 2, 32, 16, dtype, gen)
+    store_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slots)
+
+    def attend(q, q_lens, seq_lens, rows):
+        cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return paged_attention(
+            q, batch.k_cache, batch.v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), batch.block_tables[rows],
+            0.25, max(q_lens), batch_invariant=True,
+        )  # fmt: skip
+
+    full = attend(batch.q, [150, 30], [150, 30], [0, 1])
+    assert_matches(full, reference_attention(batch, 0.25), dtype)
+    assert torch.equal(attend(batch.q[110:150], [40], [150], [0]), full[110:150])
+    for p in (0, 15, 16, 37, 127, 128, 149):
+        assert torch.equal(attend(batch.q[p : p + 1], [1], [p + 1], [0]), full[p : p + 1]), p
+        beside = attend(torch.cat([batch.q[p : p + 1], batch.q[179:180]]), [1, 1], [p + 1, 30], [0, 1])
+        assert torch.equal(beside, full[[p, 179]]), p
+
+
+@interpreted
 def test_paged_attention_decode_rows():
     """A decode-only batch through the varlen kernel (max_seqlen_q 1 picks the smallest tile)."""
     gen = torch.Generator().manual_seed(3)
