@@ -133,14 +133,16 @@ class _Follower:
             return call_worker(self.worker, method, tuple(args), dict(kwargs))
 
     def init_weight_transfer(
-        self, config: WeightTransferConfig, init_info: dict, worker_index: int, timeout_s: float
+        self, config: WeightTransferConfig, init_info: dict, first_index: int, timeout_s: float
     ) -> None:
-        """Join the trainer's group as this rank's worker, on a thread: the rendezvous waits for rank 0 and the
-        trainer, and rank 0's steps must go on meanwhile. Its outcome is checked by the next transfer call."""
+        """Join the trainer's group as this rank's worker (index `first_index` + rank: rank 0's is `first_index`),
+        on a thread: the rendezvous waits for rank 0 and the trainer, and rank 0's steps must go on meanwhile. Its
+        outcome is checked by the next transfer call."""
         from rlserve.weight_transfer import WeightTransferEngineFactory
 
         self.close_weight_transfer()
-        transfer = WeightTransferEngineFactory.create_engine(config, self.runner.device, worker_index, timeout_s)
+        index = first_index + self.rank
+        transfer = WeightTransferEngineFactory.create_engine(config, self.runner.device, index, timeout_s)
         parsed = transfer.parse_init_info(init_info)
 
         def init() -> None:
@@ -210,6 +212,8 @@ class TPWorkers:
         self.conns: list[Connection] = []
         self.processes: list[subprocess.Popen] = []
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
+        # This process's import path, so that what it imports (a worker extension beside a script) imports there.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             for rank in range(1, config.tensor_parallel_size):
                 ours, theirs = socket.socketpair()
@@ -220,6 +224,7 @@ class TPWorkers:
                     [sys.executable, "-m", "rlserve.engine.worker.tp_workers", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),),
                     stdin=subprocess.DEVNULL,
+                    env=env,
                 )
                 theirs.close()
                 self.processes.append(process)
