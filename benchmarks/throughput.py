@@ -1,6 +1,7 @@
 """W1 (rollout), W2 (GRPO groups), W3 (mixed) throughput, with Hugging Face baselines and the roofline of the same run.
 
 GPU:  python benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape
+      (--tensor-parallel-size 2: the model split over two GPUs; BENCHMARKS.md has the 8B-shape command)
 CPU:  python benchmarks/throughput.py --device cpu --preset small --scale 0.03 --hf dynamic
 
 The roofline is computed for the batch schedule the engine actually ran: every step must at least read all weights
@@ -208,9 +209,11 @@ def main() -> int:
     startup = time.perf_counter() - t0
     runner = llm.engine_core.runner
     spec = runner.spec
+    # Rank 0's part under tensor parallelism: every rank reads (and multiplies by) its own part at once, so a step's
+    # floor is one rank's; the all-reduces between the ranks are not in it.
     params = sum(p.numel() for p in runner.model.parameters())
     weight_bytes = params * dtype.itemsize
-    kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    kv_bytes_per_token = 2 * spec.num_layers * runner.num_kv_heads * spec.head_dim * dtype.itemsize
     print(
         f"engine start {startup:.1f}s; KV cache: {runner.num_blocks} blocks x {runner.bytes_per_block} B/block "
         f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; "

@@ -316,6 +316,8 @@ def main(fd: int) -> int:
     configure_logging(startup.log_level)
     threading.Thread(target=_exit_with, args=(startup.parent_pid,), daemon=True).start()
     config = startup.config
+    if config.device.startswith("cuda"):  # NCCL and the Triton kernels use the current device
+        torch.cuda.set_device(torch.device(config.device))
     try:
         store = store_client(STORE_ADDRESS, startup.store_port, GROUP_TIMEOUT_S)
         size = config.tensor_parallel_size
