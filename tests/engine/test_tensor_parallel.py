@@ -192,11 +192,19 @@ def test_weight_updates_reach_every_rank_or_none(tp2, reference, model_dirs, qwe
     assert_same_outputs(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference("qwen3"))
 
 
-def test_tensor_parallel_within_data_parallel(model_dirs, make_llm, reference) -> None:
-    llm = make_llm(model_dirs["llama"], tensor_parallel_size=2, data_parallel_size=2, dtype="float32")
+def test_tensor_parallel_within_data_parallel_batch_invariant(model_dirs, make_llm, reference) -> None:
+    """TP=2 x DP=2 in batch-invariant mode: the TP=1 engine's tokens, and a request's bits alike alone, in a batch of
+    others and run again."""
+    llm = make_llm(
+        model_dirs["llama"], tensor_parallel_size=2, data_parallel_size=2, dtype="float32", batch_invariant=True
+    )
     try:
         assert (llm.get_world_size(), llm.get_world_size(include_dp=False)) == (4, 2)
-        many = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)  # requests spread over both cores
-        assert_same_outputs(many, reference("llama") * 2)
+        alone = llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+        many = llm.generate(PROMPTS * 4, PARAMS, use_tqdm=False)  # requests spread over both cores
+        assert_same_outputs(many, reference("llama") * 4)
+        for out in [*many[::2], *llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)]:
+            assert out.outputs[0].token_ids == alone[0].outputs[0].token_ids
+            assert out.outputs[0].logprobs == alone[0].outputs[0].logprobs  # the same bits
     finally:
         llm.shutdown()

@@ -253,15 +253,20 @@ class TPWorkers:
 
     def send(self, name: str, *args: Any) -> None:
         with self._lock:
-            for conn in self.conns:
+            self._send_all(name, args)
+
+    def _send_all(self, name: str, args: tuple) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
                 conn.send((name, args))
+            except OSError as e:  # its process died (its exit ends the pipe)
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone: {e}") from e
 
     @contextlib.contextmanager
     def mirrored(self, name: str, *args: Any) -> Iterator[list[Any]]:
         results: list[Any] = []
         with self._lock:
-            for conn in self.conns:
-                conn.send((name, args))
+            self._send_all(name, args)
             try:
                 yield results
             except BaseException:
@@ -272,7 +277,10 @@ class TPWorkers:
     def _collect(self, raise_errors: bool = False) -> list[Any]:
         values, error = [], None
         for rank, conn in enumerate(self.conns, start=1):
-            reply = conn.recv()
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({type(e).__name__})") from e
             if reply[0] == "ok":
                 values.append(reply[1])
             elif error is None:
