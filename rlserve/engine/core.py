@@ -390,14 +390,10 @@ class EngineCore:
             )
         parsed = self.weight_transfer.parse_init_info(init_info)
         # The other ranks start their rendezvous on threads of their own and answer at once; they join with this one.
-        with self.runner.mirrored(
-            "init_weight_transfer",
-            self.config.weight_transfer_config,
-            init_info,
-            index,
-            self.config.weight_transfer_timeout_s,
-        ):
-            pass
+        config = self.config
+        self.runner.call_followers(
+            "init_weight_transfer", config.weight_transfer_config, init_info, index, config.weight_transfer_timeout_s
+        )
         self.weight_transfer.init_transfer_engine(parsed)
 
     def _require_transfer_engine(self, operation: str):

@@ -69,6 +69,8 @@ def tp2(model_dirs, make_llm) -> Iterator[_Engines]:
         extra = {}
         if name == "qwen3":  # the one the weight-update tests use
             extra = dict(weight_transfer_config=WeightTransferConfig(backend="nccl"), worker_extension_cls=EXTENSION)
+        if name == "qwen2":  # the fp32 LM head (a copy of each rank's part) is gathered like the other
+            extra = dict(lm_head_dtype="float32")
         return make_llm(model_dirs[name], tensor_parallel_size=2, dtype="float32", **extra)
 
     engines = _Engines(make)

@@ -607,6 +607,12 @@ class ModelRunner:
         with self.followers.mirrored(name, *args) as results:
             yield results
 
+    def call_followers(self, name: str, *args: Any) -> list[Any]:
+        """The followers' results of `name(*args)` (rank order); nothing runs on this rank."""
+        with self.mirrored(name, *args) as results:
+            pass
+        return results
+
     def shutdown(self) -> None:
         """Stop the followers and leave the group (rank 0's; a follower's ends with its process)."""
         if self.followers is not None:
