@@ -16,6 +16,7 @@ from rlserve.config import WeightTransferConfig
 from rlserve.weight_transfer.base import WeightTransferEngine
 
 EngineLoader = Callable[[], type[WeightTransferEngine]]
+SCRIPT_MODULE_PREFIX = "_rlserve_script_"  # the module names of backends loaded from a script's path
 
 
 def _import_module(module_path: str) -> ModuleType:
@@ -23,7 +24,7 @@ def _import_module(module_path: str) -> ModuleType:
     loaded in the engine-core process: its `if __name__ == "__main__"` block does not run there)."""
     if not module_path.endswith(".py"):
         return importlib.import_module(module_path)
-    name = f"_rlserve_script_{abs(hash(module_path))}"
+    name = f"{SCRIPT_MODULE_PREFIX}{abs(hash(module_path))}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, module_path)
         if spec is None or spec.loader is None:

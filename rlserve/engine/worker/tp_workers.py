@@ -55,6 +55,7 @@ class FollowerStartup:
     store_port: int
     parent_pid: int
     log_level: int
+    extra_backends: dict[str, str]  # weight-transfer backends registered by class (core_client.registered_backends)
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -211,15 +212,17 @@ class TPWorkers:
         self._lock = threading.Lock()
         self.conns: list[Connection] = []
         self.processes: list[subprocess.Popen] = []
+        from rlserve.engine.core_client import registered_backends
+
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
+        extra_backends = registered_backends(config)
         # This process's import path, so that what it imports (a worker extension beside a script) imports there.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             for rank in range(1, config.tensor_parallel_size):
                 ours, theirs = socket.socketpair()
-                startup = FollowerStartup(
-                    replace(config, device=rank_device(config, rank)), rank, store.port, os.getpid(), log_level
-                )
+                rank_config = replace(config, device=rank_device(config, rank))
+                startup = FollowerStartup(rank_config, rank, store.port, os.getpid(), log_level, extra_backends)
                 process = subprocess.Popen(
                     [sys.executable, "-m", "rlserve.engine.worker.tp_workers", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),),
@@ -327,6 +330,10 @@ def main(fd: int) -> int:
     if config.device.startswith("cuda"):  # NCCL and the Triton kernels use the current device
         torch.cuda.set_device(torch.device(config.device))
     try:
+        from rlserve.weight_transfer import WeightTransferEngineFactory
+
+        for name, path in startup.extra_backends.items():
+            WeightTransferEngineFactory.register_engine(name, path)
         store = store_client(STORE_ADDRESS, startup.store_port, GROUP_TIMEOUT_S)
         size = config.tensor_parallel_size
         tp = TensorParallelGroup.join(store, startup.rank, size, GROUP_TIMEOUT_S, deterministic=config.batch_invariant)
