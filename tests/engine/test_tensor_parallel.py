@@ -210,3 +210,11 @@ def test_tensor_parallel_within_data_parallel_batch_invariant(model_dirs, make_l
             assert out.outputs[0].logprobs == alone[0].outputs[0].logprobs  # the same bits
     finally:
         llm.shutdown()
+
+
+def test_a_model_that_does_not_split_is_refused_by_name(model_dirs, make_llm) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        make_llm(model_dirs["llama"], tensor_parallel_size=0)
+    # Three ranks cannot share the toy's two kv heads: refused as the ranks build the model, and they all stop.
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 ranks cannot share 2 kv heads"):
+        make_llm(model_dirs["llama"], in_process=True, tensor_parallel_size=3)

@@ -79,7 +79,7 @@ def create_runner(config: EngineConfig) -> ModelRunner:
         runner = ModelRunner(config, tp, followers)
         followers.wait_ready()
     except BaseException:
-        followers.shutdown()
+        followers.shutdown(graceful=False)  # they may still be starting: nothing of theirs is worth waiting for
         tp.shutdown()
         raise
     return runner
@@ -295,10 +295,13 @@ class TPWorkers:
             raise error
         return values
 
-    def shutdown(self) -> None:
-        for conn in self.conns:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the followers: told to (they leave their groups) or, not `graceful`, terminated."""
+        for conn in self.conns if graceful else ():
             with contextlib.suppress(OSError):
                 conn.send(("shutdown", ()))
+        for process in self.processes if not graceful else ():
+            process.terminate()
         for process in self.processes:
             try:
                 process.wait(STOP_TIMEOUT_S)
