@@ -104,7 +104,7 @@ class WeightTransferEngineFactory:
         worker_index: int = 0,
         timeout_s: float | None = None,
     ) -> WeightTransferEngine:
-        """The backend for the worker `worker_index` of the engine (the data-parallel rank: one worker per core).
+        """The backend for the worker `worker_index` of the engine (vLLM's dp_rank * tensor_parallel_size + tp_rank).
         `timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s), given to
         a backend whose constructor takes a `timeout_s` keyword (`nccl`); vLLM-style backends built from (config,
         device) alone keep their own."""
