@@ -72,19 +72,24 @@ class Ceilings:
     matmul_flops: float  # FLOP/s
 
 
-def model_cost(model: torch.nn.Module, spec, dtype: torch.dtype) -> ModelCost:
-    """The cost figures of rlserve's decoder (DecoderForCausalLM and its DecoderSpec) in `dtype`."""
+def model_cost(
+    model: torch.nn.Module, spec, dtype: torch.dtype, num_kv_heads: int | None = None, tp_size: int = 1
+) -> ModelCost:
+    """The cost figures of rlserve's decoder (DecoderForCausalLM and its DecoderSpec) in `dtype`. Under tensor
+    parallelism `model` is rank 0's part (its `num_kv_heads`, a 1/`tp_size` slice of the vocabulary): every rank
+    reads and multiplies its own part at once, so a step's floor is one rank's (the all-reduces are not in it)."""
     size = dtype.itemsize
     all_params = sum(p.numel() for p in model.parameters())  # a tied head is one parameter
-    embedding = spec.vocab_size * spec.hidden_size
-    head = spec.vocab_size * spec.hidden_size
+    embedding = spec.vocab_size * spec.hidden_size // tp_size
+    head = embedding
+    num_kv_heads = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
     untied_embedding = 0 if spec.tie_word_embeddings else embedding
     return ModelCost(
         weight_bytes=(all_params - untied_embedding) * size,
         embedding_row_bytes=0 if spec.tie_word_embeddings else spec.hidden_size * size,
         body_params=all_params - head - untied_embedding,
         head_params=head,
-        kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * size,
+        kv_bytes_per_token=2 * spec.num_layers * num_kv_heads * spec.head_dim * size,
         all_params=all_params,
         param_bytes=size,
     )

@@ -1,6 +1,7 @@
 """W1 (rollout), W2 (GRPO groups), W3 (mixed) throughput, with Hugging Face baselines and the roofline of the same run.
 
 GPU:  python benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape
+      (--tensor-parallel-size 2: the model split over two GPUs; BENCHMARKS.md has the 8B-shape command)
 CPU:  python benchmarks/throughput.py --device cpu --preset small --scale 0.03 --hf dynamic
 
 The roofline (benchmarks/roofline.py, which states the model) is computed for the batch schedule the engine actually
@@ -154,7 +155,7 @@ def main() -> int:
     startup = time.perf_counter() - t0
     runner = llm.engine_core.runner
     spec = runner.spec
-    cost = model_cost(runner.model, spec, dtype)
+    cost = model_cost(runner.model, spec, dtype, num_kv_heads=runner.num_kv_heads, tp_size=runner.tp.size)
     print(
         f"engine start {startup:.1f}s; KV cache: {runner.num_blocks} blocks x {runner.bytes_per_block} B/block "
         f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; "

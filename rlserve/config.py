@@ -86,6 +86,12 @@ class EngineConfig:
     weight_transfer_config: WeightTransferConfig | None = _option(
         None, 'JSON, e.g. \'{"backend": "nccl"}\'; enables live weight updates'
     )
+    tensor_parallel_size: int = _option(
+        1,
+        "GPUs one engine core splits the model over (vLLM's option): rank 0 in the core process, the others in "
+        "processes of their own; on CUDA the core's ranks take consecutive GPUs from its device on, on CPU they share "
+        "the host (gloo)",
+    )
     data_parallel_size: int = _option(
         1,
         "engine cores behind the one front end (vLLM's option), each a process with a whole copy of the model: on "
@@ -128,20 +134,24 @@ class EngineConfig:
             raise ValueError(f"weight_transfer_timeout_s must be > 0, got {self.weight_transfer_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank must be in 0..{self.data_parallel_size - 1}, got {self.data_parallel_rank}"
             )
-        own_gpu = f"cuda:{self.data_parallel_rank}"
-        if self.data_parallel_size > 1 and self.device.startswith("cuda:") and self.device != own_gpu:
+        tp, first_gpu = self.tensor_parallel_size, self.data_parallel_rank * self.tensor_parallel_size
+        own_gpus = {f"cuda:{i}" for i in range(first_gpu, first_gpu + tp)}  # its tensor-parallel ranks'
+        if self.data_parallel_size > 1 and self.device.startswith("cuda:") and self.device not in own_gpus:
             raise ValueError(
-                f"device: data-parallel core {self.data_parallel_rank} runs on {own_gpu}, not {self.device}; give "
-                "device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES"
+                f"device: data-parallel core {self.data_parallel_rank} runs on cuda:{first_gpu}, not {self.device}; "
+                "give device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES"
             )
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
-        """The config of engine core `rank`: on CUDA it takes the rank's own GPU, on CPU it shares the host."""
-        device = f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+        """The config of engine core `rank`: on CUDA it takes the rank's own GPUs (tensor_parallel_size of them from
+        cuda:rank*tensor_parallel_size on), on CPU it shares the host."""
+        device = f"cuda:{rank * self.tensor_parallel_size}" if self.device.startswith("cuda") else self.device
         return replace(self, data_parallel_rank=rank, device=device)

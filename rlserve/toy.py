@@ -53,6 +53,19 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         tie_word_embeddings=True,
     ),
+    # Qwen3-8B's shape: the tensor-parallel benchmark's model (BENCHMARKS.md).
+    "qwen3-8b-shape": dict(
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
 }
 
 

@@ -21,7 +21,8 @@ from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import make_worker
-from rlserve.engine.worker.model_runner import LaunchedStep, ModelRunner
+from rlserve.engine.worker.model_runner import LaunchedStep
+from rlserve.engine.worker.tp_workers import create_runner
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams
 from rlserve.weight_transfer.base import TRAINER_LOST
@@ -42,7 +43,14 @@ class _InFlightStep:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = create_runner(config)  # rank 0's, with the other tensor-parallel ranks in processes of their own
+        try:
+            self._init(config)
+        except BaseException:
+            self.runner.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
         spec = self.runner.spec
         self.vocab_size = spec.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -374,14 +382,19 @@ class EngineCore:
                 '\'{"backend":"nccl"}\' (over HTTP), or create the engine with '
                 "weight_transfer_config=WeightTransferConfig() (in Python)"
             )
+        tp_size = self.config.tensor_parallel_size
+        index = self.config.data_parallel_rank * tp_size  # vLLM's: dp_rank * TP + tp_rank; this is tp_rank 0
         if self.weight_transfer is None:
             self.weight_transfer = WeightTransferEngineFactory.create_engine(
-                self.config.weight_transfer_config,
-                self.runner.device,
-                self.config.data_parallel_rank,
-                self.config.weight_transfer_timeout_s,
+                self.config.weight_transfer_config, self.runner.device, index, self.config.weight_transfer_timeout_s
             )
-        self.weight_transfer.init_transfer_engine(self.weight_transfer.parse_init_info(init_info))
+        parsed = self.weight_transfer.parse_init_info(init_info)
+        # The other ranks start their rendezvous on threads of their own and answer at once; they join with this one.
+        config = self.config
+        self.runner.call_followers(
+            "init_weight_transfer", config.weight_transfer_config, init_info, index, config.weight_transfer_timeout_s
+        )
+        self.weight_transfer.init_transfer_engine(parsed)
 
     def _require_transfer_engine(self, operation: str):
         if self.weight_transfer is None:
@@ -419,8 +432,10 @@ class EngineCore:
                     for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
                 )
             except ValueError:
-                # The trainer may already be sending: take its bytes and drop them so it does not hang.
-                transfer.discard_weights(info)
+                # The trainer may already be sending: take its bytes and drop them (on every rank, which has
+                # written nothing either) so it does not hang.
+                with self.runner.mirrored("receive_weights", update_info, False):
+                    transfer.discard_weights(info)
                 raise
             touched: set[str] = set()  # what load_weights was handed: a write that failed may have done part
 
@@ -429,7 +444,9 @@ class EngineCore:
                 self.runner.load_weights(weights)
 
             try:
-                transfer.receive_weights(info, load)
+                # Every tensor-parallel rank receives the same broadcast and keeps its part.
+                with self.runner.mirrored("receive_weights", update_info, True):
+                    transfer.receive_weights(info, load)
                 if self.runner.device.type == "cuda":
                     torch.cuda.synchronize(self.runner.device)
             except TRAINER_LOST as e:
@@ -494,12 +511,14 @@ class EngineCore:
         return outcome
 
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """vLLM's collective_rpc: run `method` on every worker (rlserve has one) between steps; one result per
-        worker. What it changes behind the engine's back (weights, say) is its own affair: a method that writes
-        weights should be followed by reset_prefix_cache, as in vLLM."""
+        """vLLM's collective_rpc: run `method` on every worker (one per tensor-parallel rank) between steps; one
+        result per worker, in rank order. What it changes behind the engine's back (weights, say) is its own affair:
+        a method that writes weights should be followed by reset_prefix_cache, as in vLLM."""
         self._drain()
-        with self.runner.on_device():
-            return [call_worker(self.worker, method, tuple(args), dict(kwargs or {}))]
+        args, kwargs = tuple(args), dict(kwargs or {})
+        with self.runner.on_device(), self.runner.mirrored("collective_rpc", method, args, kwargs) as others:
+            mine = call_worker(self.worker, method, args, kwargs)
+        return [mine, *others]
 
     def load_weights_direct(self, weights, reset_prefix_cache: bool = True) -> int:
         """Write checkpoint-format tensors straight into the model. `reset_prefix_cache=False` keeps KV computed
@@ -507,7 +526,7 @@ class EngineCore:
         self._drain()
         self._require_weights("load_weights")
         weights = list(weights)
-        written = self.runner.load_weights(weights)  # checks every tensor before writing any
+        written = self.runner.load_weights_on_all_ranks(weights)  # checks every tensor before writing any
         self._written(self.runner.checkpoint_names(name for name, _ in weights))
         if reset_prefix_cache:
             self.kv_cache.reset_prefix_cache()
@@ -543,14 +562,17 @@ class EngineCore:
         self._require_weights("weight checksums")
         from rlserve.weight_transfer.checksum import weight_checksums
 
-        return weight_checksums(self.runner.model.checkpoint_weights())
+        # The whole tensors (every rank's part put together): what a trainer, or an engine of another size, has.
+        return weight_checksums(self.runner.full_checkpoint_weights())
 
     def shutdown(self) -> None:
         self._close_weight_transfer()
+        self.runner.shutdown()
 
     def _close_weight_transfer(self) -> None:
         if self.weight_transfer is not None:
-            self.weight_transfer.shutdown()
+            with self.runner.mirrored("close_weight_transfer"):
+                self.weight_transfer.shutdown()
             self.weight_transfer = None
 
 

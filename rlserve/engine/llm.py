@@ -181,9 +181,9 @@ class EngineFrontEnd:
         return set(self._extension_methods)
 
     def get_world_size(self, include_dp: bool = True) -> int:
-        """vLLM's: the workers of one data-parallel rank (TP x PP, one here), times the ranks with `include_dp`:
-        what a trainer sizes its weight-transfer group by (world_size = trainer ranks + this)."""
-        return self.config.data_parallel_size if include_dp else 1
+        """vLLM's: the workers of one data-parallel rank (TP x PP, PP being 1 here), times the ranks with
+        `include_dp`: what a trainer sizes its weight-transfer group by (world_size = trainer ranks + this)."""
+        return self.config.tensor_parallel_size * (self.config.data_parallel_size if include_dp else 1)
 
     @staticmethod
     def check_weight_update_format(is_checkpoint_format: bool) -> None:

@@ -1,8 +1,10 @@
-"""Building blocks shared by the decoder models: norms, rotary embedding, fused projections."""
+"""Building blocks shared by the decoder models: norms, rotary embedding, and the projections and embeddings
+sharded for tensor parallelism (vLLM's names; with the one-rank group they are the plain layers)."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
 
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.model import batch_invariant
+from rlserve.model.parallel import TensorParallelGroup
 
 # Triton is an optional dependency (the `gpu` extra); without it CUDA runs the PyTorch code below too.
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -136,19 +139,187 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
-class FusedLinear(Linear):
-    """A linear layer whose output rows are several checkpoint tensors stacked (q/k/v or gate/up).
+@dataclass(frozen=True)
+class ShardSlice:
+    """Where one rank's part of a checkpoint tensor lives: indices [start, start + length) of the checkpoint tensor
+    along `dim` sit at [offset, offset + length) of the parameter along the same dim. `length` None: the parameter is
+    the whole checkpoint tensor (replicated on every rank)."""
 
-    `shards` maps each checkpoint sub-name to its row range, so the loader can write each checkpoint tensor in place.
-    """
+    full_shape: tuple[int, ...]  # the checkpoint tensor's shape
+    dim: int = 0
+    start: int = 0
+    length: int | None = None
+    offset: int = 0
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shards: dict[str, tuple[int, int]] = {}
+    def of_checkpoint(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.length is None else tensor.narrow(self.dim, self.start, self.length)
+
+    def of_param(self, param: torch.Tensor) -> torch.Tensor:
+        return param if self.length is None else param.narrow(self.dim, self.offset, self.length)
+
+
+class ShardedWeights:
+    """What the loader needs of a layer whose parameters hold (parts of) checkpoint tensors: `shard_slice` for each
+    parameter and shard id (the checkpoint sub-name of a fused layer: "q_proj", "gate_proj"; None otherwise)."""
+
+    tp: TensorParallelGroup
+    shard_ids: tuple[str, ...] = ()  # the checkpoint tensors stacked in a fused layer, in row order
+
+    def shard_slice(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
+        """vLLM's per-parameter loader: copy this rank's part of the checkpoint tensor into the parameter, in place."""
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)  # type: ignore[attr-defined]
+        sl = self.shard_slice(name, shard_id, self.tp.rank)
+        sl.of_param(param.data).copy_(sl.of_checkpoint(loaded_weight))
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"tensor_parallel_size: {what} ({total}) is not divisible by tensor_parallel_size ({parts})")
+    return total // parts
+
+
+class ColumnParallelLinear(ShardedWeights, Linear):
+    """Y = X W^T with W's output rows split over the ranks: each rank computes its columns of Y, no communication."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup) -> None:
+        super().__init__(in_features, _divide(out_features, tp.size, "a projection's output size"), bias=bias)
+        self.tp = tp
+        self.full_out_features = out_features
+
+    def shard_slice(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+        rows = self.out_features
+        full = (self.full_out_features, *getattr(self, param_name).shape[1:])
+        return ShardSlice(full, 0, rank * rows, rows, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several checkpoint tensors stacked along the output (gate/up), each split over the ranks: a rank holds its
+    part of each, stacked in the same order (so `silu_and_mul` pairs them up on every rank)."""
+
+    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool, tp: TensorParallelGroup) -> None:
+        super().__init__(in_features, sum(output_sizes.values()), bias, tp)
+        self.shard_ids = tuple(output_sizes)
+        self.full_sizes = dict(output_sizes)
+        self.shards: dict[str, tuple[int, int]] = {}  # shard id -> (first row in this rank's parameter, rows)
         offset = 0
-        for name, size in shard_sizes.items():
-            self.shards[name] = (offset, size)
-            offset += size
+        for name, size in output_sizes.items():
+            local = _divide(size, tp.size, f"{name}'s output size")
+            self.shards[name] = (offset, local)
+            offset += local
+
+    def shard_rows(self, shard_id: str, rank: int) -> tuple[int, int]:
+        """(first row of the checkpoint tensor, rows) that `rank` holds of shard `shard_id`."""
+        rows = self.shards[shard_id][1]
+        return rank * rows, rows
+
+    def shard_slice(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+        offset, rows = self.shards[shard_id]
+        start, rows = self.shard_rows(shard_id, rank)
+        full = (self.full_sizes[shard_id], *getattr(self, param_name).shape[1:])
+        return ShardSlice(full, 0, start, rows, offset)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """The fused q/k/v projection split by heads. With fewer kv heads than ranks each kv head is replicated on
+    tp / kv_heads ranks (vLLM's scheme), so every rank has the kv head its query heads attend to."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+    ) -> None:
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size: {tp.size} ranks cannot share {num_kv_heads} kv heads (one must divide the "
+                "other)"
+            )
+        local_heads = _divide(num_heads, tp.size, "the number of attention heads")
+        local_kv_heads = max(1, num_kv_heads // tp.size)
+        # Sized per rank, not by splitting the full sizes: replicated kv heads are not a split.
+        local = {"q_proj": local_heads * head_dim, "k_proj": local_kv_heads * head_dim}
+        local["v_proj"] = local["k_proj"]
+        super().__init__(hidden_size, {name: size * tp.size for name, size in local.items()}, bias, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = local_heads, local_kv_heads, head_dim
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        self.full_sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+
+    def shard_rows(self, shard_id: str, rank: int) -> tuple[int, int]:
+        rows = self.shards[shard_id][1]
+        if shard_id == "q_proj":
+            return rank * rows, rows
+        return rank // self.kv_replicas * rows, rows
+
+
+class RowParallelLinear(ShardedWeights, Linear):
+    """Y = X W^T with W's input columns split over the ranks: each rank's partial product over its part of X's
+    features, summed over the ranks (the bias added once, by rank 0)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup) -> None:
+        super().__init__(_divide(in_features, tp.size, "a projection's input size"), out_features, bias=bias)
+        self.tp = tp
+
+    def shard_slice(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+        if param_name == "bias":
+            return ShardSlice(tuple(self.bias.shape))
+        cols = self.in_features
+        return ShardSlice((self.out_features, cols * self.tp.size), 1, rank * cols, cols, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        bias = self.bias if self.tp.rank == 0 else None
+        if self.batch_invariant:
+            y = batch_invariant.linear(x, self.weight, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
+        return self.tp.all_reduce(y)
+
+
+class VocabParallelEmbedding(ShardedWeights, nn.Module):
+    """The embedding with its vocabulary rows split over the ranks (the last rank's part padded to the others'
+    size); each rank embeds the tokens it holds, zero for the others, and the sum over ranks is the embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        # torch.empty, not an initialised weight: on the meta device nn.Embedding's init (normal_) imports
+        # torch._dynamo, seconds of an engine's start-up, for values the checkpoint overwrites anyway.
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+
+    def shard_slice(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+        start = rank * self.rows_per_rank
+        rows = max(0, min(self.rows_per_rank, self.vocab_size - start))
+        return ShardSlice((self.vocab_size, self.weight.shape[1]), 0, start, rows, 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        held = (local >= 0) & (local < self.rows_per_rank)
+        x = F.embedding(local.masked_fill(~held, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(~held.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head split by vocabulary rows like the embedding (so a tied head is the embedding's parameter): each
+    rank computes its logits, `gather` puts the whole vocabulary together on every rank."""
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
 
 def silu_and_mul(x: torch.Tensor, exact: bool = False) -> torch.Tensor:

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 from rlserve.dtypes import TORCH_DTYPES
 from rlserve.model.layers import RotaryEmbedding
 from rlserve.model.models import SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
+from rlserve.model.parallel import TensorParallelGroup
 
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:
@@ -64,12 +65,15 @@ def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
-    """Allocate the model on the device without initialising it; the caller loads weights next."""
+def build_model(
+    cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup | None = None
+) -> DecoderForCausalLM:
+    """Allocate the model (this rank's part of it, under tensor parallelism `tp`) on the device without initialising
+    it; the caller loads weights next."""
     spec = spec_from_hf_config(cfg)
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
     with torch.device("meta"):
-        model = DecoderForCausalLM(spec, rotary)
+        model = DecoderForCausalLM(spec, rotary, tp)
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():
@@ -82,11 +86,12 @@ def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device)
 
 
 def load_model(
-    model_dir: str, dtype: str | torch.dtype, device: torch.device
+    model_dir: str, dtype: str | torch.dtype, device: torch.device, tp: TensorParallelGroup | None = None
 ) -> tuple[DecoderForCausalLM, PretrainedConfig]:
-    """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's)."""
+    """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's). Under tensor parallelism each
+    rank reads the whole checkpoint tensors and keeps its part of each."""
     cfg = load_hf_config(model_dir)
-    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device)
+    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device, tp)
     names = {name for name, _ in model.checkpoint_weights()}
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):

@@ -16,6 +16,7 @@ from rlserve.config import WeightTransferConfig
 from rlserve.weight_transfer.base import WeightTransferEngine
 
 EngineLoader = Callable[[], type[WeightTransferEngine]]
+SCRIPT_MODULE_PREFIX = "_rlserve_script_"  # the module names of backends loaded from a script's path
 
 
 def _import_module(module_path: str) -> ModuleType:
@@ -23,7 +24,7 @@ def _import_module(module_path: str) -> ModuleType:
     loaded in the engine-core process: its `if __name__ == "__main__"` block does not run there)."""
     if not module_path.endswith(".py"):
         return importlib.import_module(module_path)
-    name = f"_rlserve_script_{abs(hash(module_path))}"
+    name = f"{SCRIPT_MODULE_PREFIX}{abs(hash(module_path))}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, module_path)
         if spec is None or spec.loader is None:
@@ -103,7 +104,7 @@ class WeightTransferEngineFactory:
         worker_index: int = 0,
         timeout_s: float | None = None,
     ) -> WeightTransferEngine:
-        """The backend for the worker `worker_index` of the engine (the data-parallel rank: one worker per core).
+        """The backend for the worker `worker_index` of the engine (vLLM's dp_rank * tensor_parallel_size + tp_rank).
         `timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s), given to
         a backend whose constructor takes a `timeout_s` keyword (`nccl`); vLLM-style backends built from (config,
         device) alone keep their own."""

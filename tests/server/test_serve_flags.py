@@ -98,6 +98,11 @@ def test_api_keys_and_served_model_names_are_lists(monkeypatch: pytest.MonkeyPat
     assert serve_flags.api_keys(parse("m", "--api-key", "k")) == ["k"]
 
 
+def test_tensor_parallel_size_is_a_flag_with_vllms_short_form() -> None:
+    for argv in (["-tp", "2"], ["--tensor-parallel-size", "2"], ["--tensor_parallel_size=2"]):
+        assert engine_kwargs(parse("m", *argv)) == {"tensor_parallel_size": 2}
+
+
 @pytest.mark.parametrize("entry", UNSUPPORTED, ids=lambda e: e.flags[0])
 def test_unsupported_vllm_flags_are_refused_by_name(entry: serve_flags.Unsupported, capsys) -> None:
     for flag in entry.flags:

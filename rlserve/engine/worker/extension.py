@@ -13,8 +13,9 @@ from rlserve.engine.worker.model_runner import ModelRunner
 
 
 class Worker:
-    """rlserve runs one worker per engine core, in the core's own process: its tensor and pipeline ranks are 0, and
-    so is `rank` (as in vLLM, the rank among the workers of its data-parallel rank)."""
+    """One worker per tensor-parallel rank of an engine core: rank 0's in the core's own process, the others' in
+    theirs (rlserve.engine.worker.tp_workers). `rank` is, as in vLLM, the rank among the workers of its data-parallel
+    rank: the tensor-parallel rank (no pipeline parallelism)."""
 
     rank = 0
     local_rank = 0

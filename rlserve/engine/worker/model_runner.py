@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import Any, Protocol
 
 import torch
 
 from rlserve.config import EngineConfig
+from rlserve.dtypes import dtype_from_name, dtype_name
 from rlserve.engine.request import PLACEHOLDER, Request
 from rlserve.engine.scheduler import ScheduledRequest
 from rlserve.engine.worker.block_table import BlockTableBuffer
@@ -19,8 +22,10 @@ from rlserve.engine.worker.logits_inputs import build_logits_adjustments
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
+from rlserve.model.parallel import TensorParallelGroup
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from rlserve.outputs import PositionLogprobsData
+from rlserve.weight_transfer.packed import as_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +73,51 @@ class _StepInputs:
     prompt_targets: list[int]  # the prompt tokens those rows predict
 
 
+class Followers(Protocol):
+    """Rank 0's handle on the other tensor-parallel ranks (rlserve.engine.worker.tp_workers.TPWorkers)."""
+
+    def send(self, name: str, *args: Any) -> None: ...
+
+    def mirrored(self, name: str, *args: Any) -> contextlib.AbstractContextManager[list[Any]]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """The sizes of one step's inputs, which a follower needs to receive them (the inputs follow as one tensor)."""
+
+    num_tokens: int
+    num_seqs: int
+    block_table_columns: int
+    num_logits_rows: int  # rows whose logits the step samples
+    num_prompt_rows: int  # rows whose logits give prompt logprobs
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.num_tokens + self.num_seqs * (self.block_table_columns + 2) + self.logits_numel
+
+    @property
+    def logits_numel(self) -> int:
+        return self.num_logits_rows + self.num_prompt_rows
+
+
 def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
     columns = t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist()
     return list(map(PositionLogprobsData._make, zip(*columns, strict=True)))
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One tensor-parallel rank's model, KV cache and step. Rank 0 (the engine core's) schedules and samples, and
+    drives `followers`, the other ranks: each step's inputs go to them as one broadcast tensor (`follow_step`), and
+    the calls that change a rank's state run on every rank (`mirrored`)."""
+
+    def __init__(
+        self, config: EngineConfig, tp: TensorParallelGroup | None = None, followers: Followers | None = None
+    ) -> None:
         self.config = config
+        self.tp = tp or TensorParallelGroup()
+        self.followers = followers
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -89,10 +131,11 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.model, self.hf_config = load_model(config.model, config.dtype, self.device)
+        self.model, self.hf_config = load_model(config.model, config.dtype, self.device, self.tp)
         logger.info("model loaded on %s in %.1f s", self.device, time.perf_counter() - started)
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.fp32_head = config.lm_head_dtype == "float32"
         self.backend = create_attention_backend(config.attention_backend, self.device, config.batch_invariant)
         self.model.set_batch_invariant(config.batch_invariant)
@@ -100,7 +143,8 @@ class ModelRunner:
         # Unfinished requests with penalties, logit bias or token masks: while none is, a step builds nothing for them.
         self._adjusting_logits: set[str] = set()
         self.block_size = config.block_size
-        self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
+        # Every rank holds the same blocks (of its own heads): the smallest count that fits on all of them.
+        self.num_blocks = config.num_kv_blocks or self.tp.min(self._num_blocks_that_fit(), self.device)
         # Pinned staging for each step's copies (CUDA only): 16 MiB per step covers batches of 16k tokens.
         self.staging = HostStaging(16 << 20, self.device) if self.device.type == "cuda" else None
         self.max_model_len = min(
@@ -134,7 +178,7 @@ class ModelRunner:
         )
 
     def _allocate_kv_cache(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -192,7 +236,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         s = self.spec
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        return 2 * s.num_layers * self.block_size * self.num_kv_heads * s.head_dim * self.dtype.itemsize
 
     def _num_blocks_that_fit(self) -> int:
         if self.device.type != "cuda":
@@ -230,7 +274,7 @@ class ModelRunner:
     def _profile_run(self) -> None:
         """A forward at the largest token budget with a one-block cache, so its activation peak can be measured."""
         n = self.config.max_num_batched_tokens
-        shape = (1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (1, self.block_size, self.num_kv_heads, self.spec.head_dim)
         caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.spec.num_layers)]
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         meta = self._dummy_sequence_meta(n, context_len=1)
@@ -372,8 +416,8 @@ class ModelRunner:
         )
 
     def _forward(self, inputs: _StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
-        """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there) and run the decoder:
-        a captured CUDA graph for pure decode batches that fit one, eager otherwise."""
+        """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there), hand them to the
+        other tensor-parallel ranks, and run the decoder."""
         max_seq_len = max(inputs.seq_lens)
         block_tables = self._to_device(
             self.block_table_buffer.gather(inputs.block_table_rows, -(-max_seq_len // self.block_size))
@@ -385,26 +429,97 @@ class ModelRunner:
         pos = self._host_tensor(inputs.positions, torch.long)
         slots = self._host_tensor(inputs.slot_mapping, torch.long)
         seq_lens = self._host_tensor(inputs.seq_lens, torch.int32)
-        num_seqs = len(inputs.query_lens)
-        is_decode = len(inputs.input_ids) == num_seqs
+        if self.followers is not None:
+            self._lead_step(inputs, ids, pos, slots, block_tables)
+        return self._run_model(ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens)
+
+    def _lead_step(
+        self,
+        inputs: _StepInputs,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> None:
+        """Send the followers this step's inputs: a header of sizes, then the inputs as one tensor, broadcast from
+        the device (so the placeholders filled there need no read-back); they run the same forward and LM head."""
+        prompt_rows = [r for _, first, count in inputs.prompt_rows for r in range(first, first + count)]
+        header = StepHeader(
+            len(inputs.input_ids),
+            len(inputs.query_lens),
+            block_tables.shape[1],
+            len(inputs.logits_indices),
+            len(prompt_rows),
+        )
+        lengths = self._host_tensor(
+            inputs.query_lens + inputs.seq_lens + inputs.logits_indices + prompt_rows, torch.long
+        )
+        packed = torch.cat((ids, pos, slots, block_tables.flatten().long(), lengths))
+        self.followers.send("follow_step", header)
+        self.tp.broadcast(packed)
+
+    @torch.inference_mode()
+    def follow_step(self, header: StepHeader) -> None:
+        """A follower's step: receive rank 0's inputs (`_lead_step`), run the forward and the LM head's collectives
+        as rank 0 does; rank 0 alone samples."""
+        with self.on_device():
+            if self.staging is not None:
+                self.staging.next_step()
+            n, num_seqs = header.num_tokens, header.num_seqs
+            packed = self.tp.broadcast(torch.empty(header.numel, dtype=torch.long, device=self.device))
+            ids, pos, slots, tables, lengths = packed.split(
+                (n, n, n, num_seqs * header.block_table_columns, 2 * num_seqs + header.logits_numel)
+            )
+            lengths = lengths.tolist()
+            query_lens, seq_lens = lengths[:num_seqs], lengths[num_seqs : 2 * num_seqs]
+            logits_rows = lengths[2 * num_seqs : 2 * num_seqs + header.num_logits_rows]
+            prompt_rows = lengths[2 * num_seqs + header.num_logits_rows :]
+            block_tables = tables.view(num_seqs, header.block_table_columns).to(torch.int32)
+            seq_lens_t = self._host_tensor(seq_lens, torch.int32)
+            hidden = self._run_model(ids, pos, slots, seq_lens_t, block_tables, query_lens, seq_lens)
+            if logits_rows:
+                self._logits(hidden, logits_rows)
+            if prompt_rows:
+                self.model.compute_logits(hidden[self._host_tensor(prompt_rows, torch.long)], self.fp32_head)
+
+    def _run_model(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_lens: list[int],
+        seq_lens_cpu: list[int],
+    ) -> torch.Tensor:
+        """The decoder over one step's device inputs: a captured CUDA graph for pure decode batches that fit one,
+        eager otherwise."""
+        num_seqs = len(query_lens)
+        is_decode = ids.shape[0] == num_seqs
         if is_decode and self.cuda_graphs is not None and num_seqs <= self.cuda_graphs.max_batch_size:
             return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables)
         cu = [0]
-        for q in inputs.query_lens:
+        for q in query_lens:
             cu.append(cu[-1] + q)
         meta = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self._host_tensor(cu, torch.int32),
             seq_lens=seq_lens,
             block_tables=block_tables,
-            max_seqlen_q=max(inputs.query_lens),
+            max_seqlen_q=max(query_lens),
             # Decode kernels pick their KV split from this bound: the graphs' bound, so eager and graph decode
             # split (and round) identically.
-            max_seq_len=self.max_model_len if is_decode else max_seq_len,
-            query_lens_cpu=inputs.query_lens,
-            seq_lens_cpu=inputs.seq_lens,
+            max_seq_len=self.max_model_len if is_decode else max(seq_lens_cpu),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens_cpu,
         )
         return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
+
+    def _logits(self, hidden: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
+        """The logits of the rows that sample (every rank computes them: the LM head gathers over the ranks)."""
+        if len(logits_indices) != hidden.shape[0]:
+            hidden = hidden[self._host_tensor(logits_indices, torch.long)]
+        return self.model.compute_logits(hidden, self.fp32_head)
 
     def _sample(
         self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs, prev: LaunchedStep | None
@@ -413,9 +528,7 @@ class ModelRunner:
         if not inputs.sample_rows:
             return torch.empty(0, dtype=torch.long, device=self.device), None
         requests = [scheduled[i].request for i in inputs.sample_rows]
-        if len(inputs.logits_indices) != hidden.shape[0]:
-            hidden = hidden[self._host_tensor(inputs.logits_indices, torch.long)]
-        logits = self.model.compute_logits(hidden, self.fp32_head)
+        logits = self._logits(hidden, inputs.logits_indices)
         out = self.sampler(logits, self._sampling_metadata(requests, prev))
         return out.token_ids, out.logprobs
 
@@ -484,8 +597,35 @@ class ModelRunner:
     def kv_cache_resident(self) -> bool:
         return bool(self.kv_caches)
 
+    @contextlib.contextmanager
+    def mirrored(self, name: str, *args: Any) -> Iterator[list[Any]]:
+        """Run the body on this rank while the followers run their `name(*args)`; the list yielded holds their
+        results (rank order) once the body is done. A failure on any rank raises, this rank's first."""
+        if self.followers is None:
+            yield []
+            return
+        with self.followers.mirrored(name, *args) as results:
+            yield results
+
+    def call_followers(self, name: str, *args: Any) -> list[Any]:
+        """The followers' results of `name(*args)` (rank order); nothing runs on this rank."""
+        with self.mirrored(name, *args) as results:
+            pass
+        return results
+
+    def shutdown(self) -> None:
+        """Stop the followers and leave the group (rank 0's; a follower's ends with its process)."""
+        if self.followers is not None:
+            self.followers.shutdown()
+            self.followers = None
+        self.tp.shutdown()
+
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the CUDA graphs that read it (they record its addresses)."""
+        with self.mirrored("release_kv_cache"):
+            self._release_kv_cache()
+
+    def _release_kv_cache(self) -> None:
         self.cuda_graphs = None
         self.kv_caches = []
         self._empty_device_cache()
@@ -493,6 +633,10 @@ class ModelRunner:
     def release_weights(self, keep_host_copy: bool) -> None:
         """Drop the weights from the device, keeping a host copy (to restore) or only their shapes (to be
         overwritten by a weight update). The parameter objects stay, so loaders and caches keyed by them still work."""
+        with self.mirrored("release_weights", keep_host_copy):
+            self._release_weights(keep_host_copy)
+
+    def _release_weights(self, keep_host_copy: bool) -> None:
         if not self.weights_resident:
             return
         self.cuda_graphs = None
@@ -510,7 +654,7 @@ class ModelRunner:
 
     def restore(self, weights: bool, kv_cache: bool) -> None:
         """Bring back what was released; weights released without a host copy come back uninitialised."""
-        with self.on_device():
+        with self.mirrored("restore", weights, kv_cache), self.on_device():
             if weights and not self.weights_resident:
                 params = dict(self.model.named_parameters())
                 for name, host in self._slept_weights.items():
@@ -533,7 +677,37 @@ class ModelRunner:
     # ---- weights ----
 
     def load_weights(self, weights) -> int:
+        """Load whole checkpoint tensors into this rank (its part of each); a weight-transfer backend receives
+        them on every rank itself."""
         return self.model.load_weights(weights)
+
+    def load_weights_on_all_ranks(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Load tensors that only rank 0 has (from a front end, a directory) on every rank: checked first, then each
+        broadcast to the followers, which keep their part."""
+        self.model.check_weights((name, tuple(t.shape), t.dtype) for name, t in weights)
+        if self.followers is None:
+            return self.model.load_weights(weights)
+        metas = [(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in weights]
+        written = 0
+        with self.mirrored("receive_broadcast_weights", metas), self.on_device():
+            for name, tensor in weights:
+                tensor = tensor.to(self.device).contiguous()
+                self.tp.broadcast(as_bytes(tensor))
+                written += self.model.load_weights([(name, tensor)])
+        return written
+
+    def receive_broadcast_weights(self, metas: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """A follower's end of `load_weights_on_all_ranks`."""
+        with self.on_device():
+            for name, dtype, shape in metas:
+                tensor = torch.empty(shape, dtype=dtype_from_name(dtype), device=self.device)
+                self.tp.broadcast(as_bytes(tensor))
+                self.model.load_weights([(name, tensor)])
+
+    def full_checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole checkpoint tensors, put together from every rank's part (for checksums)."""
+        with self.mirrored("full_checkpoint_weights"), self.on_device():
+            yield from self.model.full_checkpoint_weights()
 
     def checkpoint_names(self, names) -> set[str]:
         """The entries of `weight_names` that checkpoint tensors `names` write."""
@@ -541,7 +715,11 @@ class ModelRunner:
 
     def snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters, written into `into` (the previous snapshot's buffers) when given: a copy
-        per update, not an allocation (pinned memory is slow to allocate)."""
+        per update, not an allocation (pinned memory is slow to allocate). Each follower keeps its own."""
+        with self.mirrored("snapshot_weights"):
+            return self._snapshot_weights(into)
+
+    def _snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         if into is None:
             into = {
                 name: torch.empty(param.shape, dtype=param.dtype, pin_memory=self.device.type == "cuda")
@@ -553,8 +731,9 @@ class ModelRunner:
         return into
 
     def restore_weights(self, snapshot: dict[str, torch.Tensor]) -> None:
-        """Write back a `snapshot_weights` copy, in place (the parameters stay the objects loaders and caches hold)."""
-        with self.on_device(), torch.no_grad():
+        """Write back a `snapshot_weights` copy, in place (the parameters stay the objects loaders and caches hold).
+        Each follower writes back its own."""
+        with self.mirrored("restore_weights"), self.on_device(), torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.data.copy_(snapshot[name])
         self.model.drop_derived_weights()

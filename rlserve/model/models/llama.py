@@ -1,4 +1,7 @@
-"""The Llama-family decoder (Llama, Qwen2, Qwen3) over the paged KV cache, with an in-place checkpoint loader."""
+"""The Llama-family decoder (Llama, Qwen2, Qwen3) over the paged KV cache, with an in-place checkpoint loader.
+
+Under tensor parallelism (a `TensorParallelGroup` of several ranks) each rank builds the same model with its part of
+every projection (rlserve.model.layers), and the loader slices each full checkpoint tensor to that part."""
 
 from __future__ import annotations
 
@@ -10,7 +13,21 @@ from torch import nn
 
 from rlserve.model import batch_invariant
 from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
-from rlserve.model.layers import FusedLinear, Linear, RMSNorm, RotaryEmbedding, norm_and_rotate_qk, silu_and_mul
+from rlserve.model.layers import (
+    Linear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    ShardedWeights,
+    ShardSlice,
+    VocabParallelEmbedding,
+    norm_and_rotate_qk,
+    silu_and_mul,
+)
+from rlserve.model.parallel import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -77,15 +94,16 @@ class ForwardContext:
 class Attention(nn.Module):
     batch_invariant = False  # set by DecoderForCausalLM.set_batch_invariant: the fused kernels even under autograd
 
-    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = FusedLinear(
-            spec.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, spec.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.qkv_bias, tp
         )
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.head_dim, spec.hidden_size, spec.o_bias, tp)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -109,23 +127,25 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     batch_invariant = False  # as Attention's
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, tp: TensorParallelGroup) -> None:
         super().__init__()
         size = spec.intermediate_size
-        self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": size, "up_proj": size}, spec.mlp_bias)
-        self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            spec.hidden_size, {"gate_proj": size, "up_proj": size}, spec.mlp_bias, tp
+        )
+        self.down_proj = RowParallelLinear(size, spec.hidden_size, spec.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), exact=self.batch_invariant))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_idx, rotary)
+        self.self_attn = Attention(spec, layer_idx, rotary, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tp)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -145,14 +165,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
         super().__init__()
-        # Given its weight, nn.Embedding skips its random init: on the meta device that init (normal_) imports
-        # torch._dynamo, seconds of an engine's start-up, for values the checkpoint overwrites anyway.
-        self.embed_tokens = nn.Embedding(
-            spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size)
-        )
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -174,16 +190,17 @@ class DecoderForCausalLM(nn.Module):
     # Checkpoint tensors that carry no weights of this model (derived buffers saved by old exporters).
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec, rotary)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tp = tp = tp or TensorParallelGroup()
+        self.model = DecoderModel(spec, rotary, tp)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._lm_head_fp32: torch.Tensor | None = None
         self.batch_invariant = False
-        self._targets: dict[str, tuple[torch.Tensor, int, int] | None] = {}  # see _resolve
+        self._targets: dict[str, tuple[torch.nn.Parameter, ShardSlice] | None] = {}  # see _resolve
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
@@ -201,18 +218,24 @@ class DecoderForCausalLM(nn.Module):
         self._lm_head_fp32 = None
 
     def compute_logits(self, hidden: torch.Tensor, fp32_head: bool = False) -> torch.Tensor:
-        if not fp32_head:
-            return self.lm_head(hidden)
-        if self._lm_head_fp32 is None:  # refreshed whenever load_weights writes the head
-            self._lm_head_fp32 = self.lm_head.weight.detach().float()
+        """Logits over the whole vocabulary on every rank (gathered from the ranks' parts), so that sampling and
+        logprobs are computed as without tensor parallelism."""
+        weight = self.lm_head.weight
+        if fp32_head:
+            if self._lm_head_fp32 is None:  # refreshed whenever load_weights writes the head
+                self._lm_head_fp32 = weight.detach().float()
+            hidden, weight = hidden.float(), self._lm_head_fp32
         if self.batch_invariant:
-            return batch_invariant.linear(hidden.float(), self._lm_head_fp32)
-        return torch.nn.functional.linear(hidden.float(), self._lm_head_fp32)
+            logits = batch_invariant.linear(hidden, weight)
+        else:
+            logits = torch.nn.functional.linear(hidden, weight)
+        return self.lm_head.gather(logits)
 
     # ---- checkpoint-format weights: one loader for start-up and for live updates ----
 
-    def _resolve(self, name: str) -> tuple[torch.Tensor, int, int] | None:
-        """Map a checkpoint name to (parameter, first row, row count); None for tensors the model ignores.
+    def _resolve(self, name: str) -> tuple[torch.nn.Parameter, ShardSlice] | None:
+        """Map a checkpoint name to (parameter, where this rank's part of the tensor sits in it); None for tensors
+        the model ignores.
 
         Cached: a weight update resolves every name several times (check, then write), and walking the module tree
         for 310 names costs milliseconds of a sync that is meant to take a few. Parameters are updated in place, so
@@ -223,7 +246,7 @@ class DecoderForCausalLM(nn.Module):
             target = self._targets[name] = self._find_target(name)
             return target
 
-    def _find_target(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+    def _find_target(self, name: str) -> tuple[torch.nn.Parameter, ShardSlice] | None:
         if name.endswith(self.ignored_suffixes):
             return None
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
@@ -238,10 +261,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model") from None
         if not isinstance(param, torch.nn.Parameter):
             raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model")
-        if sub is None:
-            return param, 0, param.shape[0]
-        start, rows = module.shards[sub]
-        return param, start, rows
+        return param, _shard_slice(module, parts[-1], sub, self.tp.rank)
 
     def checkpoint_name(self, name: str) -> str | None:
         """The name `checkpoint_weights` gives the weights that checkpoint tensor `name` writes (a tied LM head is
@@ -251,13 +271,13 @@ class DecoderForCausalLM(nn.Module):
         return "model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name
 
     def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        """Refuse, before any byte moves, names the model lacks, shapes that differ and non-float dtypes."""
+        """Refuse, before any byte moves, names the model lacks, shapes that differ from the checkpoint's (whole
+        tensors, whatever part of them this rank holds) and non-float dtypes."""
         for name, shape, dtype in metadata:
             target = self._resolve(name)
             if target is None:
                 continue
-            param, _, rows = target
-            expected = (rows, *param.shape[1:])
+            expected = target[1].full_shape
             if tuple(shape) != expected:
                 raise ValueError(f"weight {name!r}: shape {list(shape)} does not match the model's {list(expected)}")
             if not dtype.is_floating_point:
@@ -265,7 +285,8 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy checkpoint-format tensors into the existing parameters, in place; validate all before writing any.
+        """Copy checkpoint-format tensors (whole: each rank keeps its part) into the existing parameters, in place;
+        validate all before writing any.
 
         Any subset of the model's weights may be given. Returns the number of tensors written.
         """
@@ -276,23 +297,56 @@ class DecoderForCausalLM(nn.Module):
             target = self._resolve(name)
             if target is None:
                 continue
-            param, start, rows = target
-            targets.append(param.data[start : start + rows])
-            sources.append(tensor)
+            param, sl = target
+            targets.append(sl.of_param(param.data))
+            sources.append(sl.of_checkpoint(tensor))
             if param is self.lm_head.weight:
                 self._lm_head_fp32 = None
         # One multi-tensor copy instead of a launch per tensor (310 for a 0.6B model).
         torch._foreach_copy_(targets, sources)
         return len(targets)
 
-    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's weights under checkpoint names (views into fused parameters), e.g. for checksums."""
-        for name, param in self.named_parameters():
+    def _checkpoint_parts(self) -> Iterator[tuple[str, nn.Module, str, str | None]]:
+        """(checkpoint name, module, parameter name, shard id) of every checkpoint tensor, in parameter order."""
+        for name, _ in self.named_parameters():  # a tied LM head appears once, as the embedding
             parts = name.split(".")
             module = self.get_submodule(".".join(parts[:-1]))
-            if isinstance(module, FusedLinear):
+            ids = getattr(module, "shard_ids", ())
+            if ids:
                 prefix = ".".join(parts[:-2])
-                for sub, (start, rows) in module.shards.items():
-                    yield f"{prefix}.{sub}.{parts[-1]}", param.data[start : start + rows]
+                for sub in ids:
+                    yield f"{prefix}.{sub}.{parts[-1]}", module, parts[-1], sub
             else:
-                yield name, param.data
+                yield name, module, parts[-1], None
+
+    def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's weights under checkpoint names (views into fused parameters): this rank's part of each."""
+        for name, module, param_name, sub in self._checkpoint_parts():
+            param = getattr(module, param_name)
+            yield name, _shard_slice(module, param_name, sub, self.tp.rank).of_param(param.data)
+
+    def full_checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole checkpoint tensors, put together from every rank's part (a collective: every rank iterates
+        them all, in the same order); under one rank, `checkpoint_weights`. For checksums a trainer compares."""
+        gathered: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the last parameter, from every rank
+        for name, module, param_name, sub in self._checkpoint_parts():
+            param = getattr(module, param_name)
+            if self.tp.size == 1 or not isinstance(module, ShardedWeights):
+                yield name, _shard_slice(module, param_name, sub, 0).of_param(param.data)
+                continue
+            if gathered is None or gathered[0] is not param:
+                gathered = param, list(self.tp.all_gather(param.data.unsqueeze(0), dim=0))
+            slices = [module.shard_slice(param_name, sub, rank) for rank in range(self.tp.size)]
+            full = torch.empty(slices[0].full_shape, dtype=param.dtype, device=param.device)
+            for sl, part in zip(slices, gathered[1], strict=True):
+                if sl.length is None:  # replicated: every rank's is the whole
+                    full = part
+                    break
+                sl.of_checkpoint(full).copy_(sl.of_param(part))
+            yield name, full
+
+
+def _shard_slice(module: nn.Module, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+    if isinstance(module, ShardedWeights):
+        return module.shard_slice(param_name, shard_id, rank)
+    return ShardSlice(tuple(getattr(module, param_name).shape))
