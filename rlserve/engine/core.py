@@ -24,7 +24,7 @@ from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import LaunchedStep, ModelRunner
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams
-from rlserve.weight_transfer.base import TRAINER_LOST
+from rlserve.weight_transfer.base import TRAINER_LOST, WeightUpdateRefused
 
 logger = logging.getLogger(__name__)
 
@@ -380,6 +380,8 @@ class EngineCore:
                 self.runner.device,
                 self.config.data_parallel_rank,
                 self.config.weight_transfer_timeout_s,
+                model=self.runner.model,
+                model_config=self.config,
             )
         self.weight_transfer.init_transfer_engine(self.weight_transfer.parse_init_info(init_info))
 
@@ -392,7 +394,7 @@ class EngineCore:
 
     def start_weight_update(self) -> None:
         self._drain()
-        self._require_transfer_engine("start_weight_update")
+        transfer = self._require_transfer_engine("start_weight_update")
         self._require_weights("start_weight_update")
         if self.weight_update_active:
             raise RuntimeError(
@@ -404,6 +406,7 @@ class EngineCore:
         if self._snapshot_valid:
             self._snapshot = self.runner.snapshot_weights(self._snapshot)
         self._update_written.clear()
+        transfer.start_weight_update()
         self.weight_update_active = True
 
     def update_weights(self, update_info: dict) -> None:
@@ -428,10 +431,14 @@ class EngineCore:
                 touched.update(self.runner.checkpoint_names(name for name, _ in weights))
                 self.runner.load_weights(weights)
 
+            if transfer.receives_into_model():  # it writes the model itself: count every tensor it names
+                touched.update(self.runner.checkpoint_names(info.names))
             try:
-                transfer.receive_weights(info, load)
+                transfer.receive(info, load)
                 if self.runner.device.type == "cuda":
                     torch.cuda.synchronize(self.runner.device)
+            except WeightUpdateRefused:
+                raise  # refused before writing: nothing changed, the update stays open
             except TRAINER_LOST as e:
                 self._update_written |= touched
                 outcome = self._abandon_weight_update(f"the trainer was lost during update_weights: {e}")
@@ -446,7 +453,10 @@ class EngineCore:
                 self._update_written |= touched
                 self._mark_unwritten(touched, "an update_weights call failed part-way through writing them")
                 raise
-        self._written(touched)
+        if transfer.applies_deltas:  # patched, not rewritten: a tensor with no valid weights still has none
+            self._update_written |= touched
+        else:
+            self._written(touched)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._drain()
@@ -457,6 +467,8 @@ class EngineCore:
             raise RuntimeError(f"finish_weight_update: {reason}; send them with update_weights first")
         self.weight_update_active = False
         self._update_written.clear()
+        if self.weight_transfer is not None:
+            self.weight_transfer.finish_weight_update()
         # KV computed under the old weights must not be served to requests that start from now on.
         self.kv_cache.reset_prefix_cache()
         if weight_version is not None:
