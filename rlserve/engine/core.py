@@ -437,8 +437,8 @@ class EngineCore:
                 transfer.receive(info, load)
                 if self.runner.device.type == "cuda":
                     torch.cuda.synchronize(self.runner.device)
-            except WeightUpdateRefused:
-                raise  # refused before writing: nothing changed, the update stays open
+            except WeightUpdateRefused as e:  # refused before writing: nothing changed, the update stays open
+                raise ValueError(f"update_info: {e}") from e  # a builtin type: it crosses to the front end as is
             except TRAINER_LOST as e:
                 self._update_written |= touched
                 outcome = self._abandon_weight_update(f"the trainer was lost during update_weights: {e}")

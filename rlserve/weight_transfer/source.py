@@ -183,5 +183,6 @@ class ModuleSource(WeightSource):
             if not _is_dtensor(param):
                 yield name, param.detach()
             elif param.device_mesh.get_coordinate() is not None:  # type: ignore[attr-defined]
-                local = param.to_local() if _dtensor_layout(param)[2] is not None else param.full_tensor()  # type: ignore[attr-defined]
-                yield name, local.detach()
+                # A layout other than plain Shard/Replicate is declared replicated: gathered whole.
+                plain = _dtensor_layout(param)[2] is not None
+                yield name, (param.to_local() if plain else param.full_tensor()).detach()  # type: ignore[attr-defined]
