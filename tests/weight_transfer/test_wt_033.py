@@ -5,12 +5,13 @@ whole when invalid), and the engine-side class shapes of both generations."""
 from __future__ import annotations
 
 import base64
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_llm
+from conftest import KV_BLOCKS, build_llm
 from transformers import AutoModelForCausalLM
 
 from rlserve import LLM, SamplingParams
@@ -19,6 +20,7 @@ from rlserve.distributed.weight_transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
     ParamMeta,
+    RayVLLMWeightSyncClient,
     Replicate,
     Shard,
     VLLMWeightSyncClient,
@@ -277,3 +279,32 @@ def test_invalid_sparse_update_is_refused_whole(sparse_llm, corrupt, error: str)
     assert llm.abandon_weight_update() == "unchanged"
     assert llm.weight_checksums() == before
     assert llm.not_serving is None and _greedy(llm)
+
+
+def test_trainer_engine_updates_an_llm_ray_actor(checkpoints: tuple[Path, Path]) -> None:
+    """`RayVLLMWeightSyncClient` drives a plain Ray actor of `LLM` through `.remote` calls of its methods (with the
+    `ray` extra)."""
+    ray = pytest.importorskip("ray")
+    old, new = checkpoints
+    ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        env = {"RLSERVE_ENABLE_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ["PYTHONPATH"]}
+        actor = (
+            ray.remote(LLM)
+            .options(runtime_env={"env_vars": env})
+            .remote(str(old), weight_transfer_config=WeightTransferConfig("nccl"), num_kv_blocks=KV_BLOCKS)
+        )
+        trainer_model = _trainer_model(new)
+        client = RayVLLMWeightSyncClient(actor)
+        init_info = NCCLTrainerInitInfo("127.0.0.1", free_port(), 2, timeout_s=TIMEOUT_S)
+        engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=ModuleSource(trainer_model))
+        engine.send_weights()
+        engine.shutdown()
+        client.start_weight_update()  # an empty update, to set a version the way vLLM's Ray client does
+        client.finish_weight_update(weight_version="v1")
+        client.shutdown_weight_transfer_engine()
+        assert compare_checksums(_checksums(trainer_model), ray.get(actor.weight_checksums.remote()))["match"]
+        assert ray.get(actor.get_weight_version.remote()) == "v1"
+        ray.get(actor.shutdown.remote())
+    finally:
+        ray.shutdown()
