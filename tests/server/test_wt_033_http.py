@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 from conftest import _serve
 from server_helpers import API_KEY, Server, free_port
-from transformers import AutoModelForCausalLM
+from sharded_trainer import TIMEOUT_S, sharded_trainer, trainer_model
 
 from rlserve.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 from rlserve.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -24,51 +23,20 @@ from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
 from rlserve.weight_transfer.sparse_nccl import SparseDelta
 
-TIMEOUT_S = 60.0
-
-
-def _model(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
-
 
 def _client(server: Server) -> HTTPVLLMWeightSyncClient:
     return HTTPVLLMWeightSyncClient(server.url, timeout=TIMEOUT_S, api_key=API_KEY)
 
 
-def _sharded_trainer(rank: int, url: str, model_dir: str, store_port: int, transfer_port: int) -> None:
-    """One rank of a two-rank trainer whose every parameter is a DTensor sharded on dim 0 (FSDP's layout): both
-    ranks run the same code; rank 0 sends, rank 1 joins the per-tensor gathers."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        model = _model(Path(model_dir))
-        mesh = init_device_mesh("cpu", (2,))
-        for name, param in list(model.named_parameters()):
-            module_name, _, leaf = name.rpartition(".")
-            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
-            setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(sharded, requires_grad=False))
-        init_info = NCCLTrainerInitInfo("127.0.0.1", transfer_port, 2, rank=rank, timeout_s=TIMEOUT_S)
-        client = HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT_S, api_key=API_KEY)
-        engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=ModuleSource(model))
-        engine.send_weights()
-        engine.shutdown()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_trainer_engines_update_a_server_over_http(server: Server, server_model_dir: Path, tmp_path: Path) -> None:
     client = _client(server)
-    original = _model(server_model_dir)
+    original = trainer_model(server_model_dir)
     new_dir = make_model_dir(tmp_path / "new", initializer_range=0.2, seed=5)
-    new = weight_checksums(_model(new_dir).state_dict().items())
+    new = weight_checksums(trainer_model(new_dir).state_dict().items())
 
     ctx = multiprocessing.get_context("spawn")
     args = (server.url, str(new_dir), free_port(), free_port())
-    ranks = [ctx.Process(target=_sharded_trainer, args=(rank, *args)) for rank in range(2)]
+    ranks = [ctx.Process(target=sharded_trainer, args=(rank, *args)) for rank in range(2)]
     for p in ranks:
         p.start()
     try:
@@ -105,7 +73,7 @@ def test_sparse_updates_over_http(sparse_server: Server, server_model_dir: Path)
     client = _client(sparse_server)
     init_info = SparseNCCLTrainerInitInfo("127.0.0.1", free_port(), 2, timeout_s=TIMEOUT_S)
     engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client)
-    delta = SparseDelta(_model(server_model_dir).state_dict().items())
+    delta = SparseDelta(trainer_model(server_model_dir).state_dict().items())
     gen = torch.Generator().manual_seed(0)
     new = {n: torch.where(torch.rand(t.shape, generator=gen) < 0.02, t + 1e-3, t) for n, t in delta.previous.items()}
     patches = delta.patches(new.items())

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import KV_BLOCKS, build_llm
 from transformers import AutoModelForCausalLM
 
 from rlserve import LLM, SamplingParams
@@ -200,9 +199,9 @@ def _greedy(llm: LLM) -> list[int]:
     return list(llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def test_trainer_engine_updates_an_llm_over_gloo(checkpoints: tuple[Path, Path]) -> None:
+def test_trainer_engine_updates_an_llm_over_gloo(checkpoints: tuple[Path, Path], make_llm) -> None:
     old, new = checkpoints
-    llm = build_llm(old, weight_transfer_config=WeightTransferConfig("nccl"))
+    llm = make_llm(old, weight_transfer_config=WeightTransferConfig("nccl"))
     trainer_model = _trainer_model(new)
     init_info = NCCLTrainerInitInfo("127.0.0.1", free_port(), llm.get_world_size() + 1, timeout_s=TIMEOUT_S)
     engine = WeightTransferTrainerFactory.trainer_init(init_info, client=llm, source=ModuleSource(trainer_model))
@@ -233,9 +232,9 @@ def _moved(weights: dict[str, torch.Tensor], fraction: float, seed: int) -> dict
 
 
 @pytest.fixture(scope="module")
-def sparse_llm(checkpoints: tuple[Path, Path]) -> Iterator[tuple[LLM, object, SparseDelta]]:
+def sparse_llm(checkpoints: tuple[Path, Path], make_llm) -> Iterator[tuple[LLM, object, SparseDelta]]:
     old, _ = checkpoints
-    llm = build_llm(old, weight_transfer_config=WeightTransferConfig("sparse_nccl"))
+    llm = make_llm(old, weight_transfer_config=WeightTransferConfig("sparse_nccl"))
     init_info = SparseNCCLTrainerInitInfo("127.0.0.1", free_port(), 2, timeout_s=TIMEOUT_S)
     engine = WeightTransferTrainerFactory.trainer_init(init_info, client=llm)
     # The trainer starts from the version the engine loaded and diffs every later one against the last it sent.
@@ -286,13 +285,14 @@ def test_trainer_engine_updates_an_llm_ray_actor(checkpoints: tuple[Path, Path])
     `ray` extra)."""
     ray = pytest.importorskip("ray")
     old, new = checkpoints
-    ray.init(num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": a cluster of its own, never one another process left running on this machine.
+    ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         env = {"RLSERVE_ENABLE_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ["PYTHONPATH"]}
         actor = (
             ray.remote(LLM)
             .options(runtime_env={"env_vars": env})
-            .remote(str(old), weight_transfer_config=WeightTransferConfig("nccl"), num_kv_blocks=KV_BLOCKS)
+            .remote(str(old), weight_transfer_config=WeightTransferConfig("nccl"), num_kv_blocks=64)
         )
         trainer_model = _trainer_model(new)
         client = RayVLLMWeightSyncClient(actor)
