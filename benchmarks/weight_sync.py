@@ -3,6 +3,15 @@
 GPU, colocated:  python benchmarks/weight_sync.py --backend ipc --out ipc.json        (trainer and engine on cuda:0)
 GPU, two GPUs:   python benchmarks/weight_sync.py --backend nccl --out nccl.json      (trainer cuda:0, engine cuda:1)
 CPU:             python benchmarks/weight_sync.py --backend gloo                      (the nccl backend over gloo)
+GPU, sparse:     python benchmarks/weight_sync.py --backend ipc --sparse --out sparse.json
+
+--sparse (ipc) adds the delta update of rlserve's sparse_nccl format (flat int32 indices + bf16 values per tensor)
+against the full update, at a measured change fraction: the trainer process holds fp32 master weights equal to the
+bf16 weights, takes one Adam step at lr 1e-6 on a Qwen3 model of the shape (transformers, a forward and backward of
+random tokens), and the changed bf16 values are the ones that differ from before the step. Each sparse update goes to
+the other version (v0 -> v1 -> v0 ...): the trainer diffs against the version it sent last (`SparseDelta`), shares
+the patches through CUDA IPC in one packed buffer, and the engine scatters them into its weights; its seconds run
+from the diff to the engine's scatter returning.
 
 The trainer is a separate process holding the model's weights as separate tensors with HF names; the engine side
 (this process) receives into its own preallocated tensors through a `load_weights` that copies, as the engine's
@@ -43,7 +52,9 @@ from rlserve.weight_transfer import (
     IPCWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
+    tensor_sha256,
 )
+from rlserve.weight_transfer.sparse_nccl import SparseDelta
 
 MIB = 1 << 20
 TIMEOUT_S = 600.0
@@ -232,6 +243,9 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
                 _sync(device)
             del buf
             continue
+        if cmd["cmd"] == "sparse":
+            _trainer_sparse(conn, weights, cmd, MODELS[spec["model"]])
+            continue
         memory.start()
         times = []
         for _ in range(cmd["updates"]):
@@ -259,6 +273,69 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
         _send(conn, {"done": True, "times": times, "memory": memory.report()})
     if group is not None:
         group.shutdown()
+
+
+def adam_step_version(
+    weights: dict[str, torch.Tensor], shape: ModelShape, lr: float = 1e-6, batch: int = 4, seq: int = 512
+) -> dict[str, torch.Tensor]:
+    """The bf16 weights after one Adam step at `lr` on fp32 master weights equal to `weights`: a Qwen3 model of the
+    shape, a forward and backward of random tokens (embedding rows of tokens not in the batch get no gradient, as
+    in training)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
+    )  # fmt: skip
+    device = next(iter(weights.values())).device
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).float()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    tokens = torch.randint(
+        0, shape.vocab, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0)
+    )
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    torch.optim.Adam(model.parameters(), lr=lr).step()
+    return {name: params[name].detach().to(torch.bfloat16) for name in weights}
+
+
+def _trainer_sparse(conn: Connection, weights: dict[str, torch.Tensor], cmd: dict[str, Any], shape: ModelShape) -> None:
+    device = next(iter(weights.values())).device
+    versions = [weights, adam_step_version(weights, shape)]
+    delta = SparseDelta(weights.items())
+
+    def send(items: list[tuple[str, torch.Tensor]], buffer: int) -> None:
+        args = IPCTrainerSendWeightsArgs(
+            send_mode=lambda info: _request(conn, {"update_info": info}), packed=True, packed_buffer_size_bytes=buffer
+        )
+        IPCWeightTransferEngine.trainer_send_weights(iter(items), args)
+
+    send(list(weights.items()), max(t.nbytes for t in weights.values()))  # the engine starts from v0
+    times, changed, patch_bytes = [], 0, 0
+    for i in range(cmd["updates"]):
+        _sync(device)
+        t0 = time.perf_counter()
+        patches = delta.patches(versions[(i + 1) % 2].items())
+        items = [
+            (f"{p.name}.{part}", t)
+            for p in patches
+            if p.indices.numel()
+            for part, t in (("indices", p.indices), ("values", p.values))
+        ]
+        if not items:
+            raise RuntimeError("the Adam step changed no bf16 value: nothing to send")
+        patch_bytes = sum(t.nbytes for _, t in items)
+        send(items, patch_bytes)  # one chunk: the engine pairs indices with values within it
+        delta.commit(patches)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        changed = sum(p.indices.numel() for p in patches)
+    digest = {name: tensor_sha256(t) for name, t in versions[cmd["updates"] % 2].items()}
+    _send(conn, {"done": True, "times": times, "changed": changed, "patch_bytes": patch_bytes, "digest": digest})
 
 
 # --- engine side (this process) -------------------------------------------------------------------------------------
@@ -310,7 +387,7 @@ def _configs(backend: str, buffers: list[int], updates: int) -> list[dict[str, A
 
 
 def run(
-    backend: str, model: str, buffers: list[int], updates: int, threads: int | None
+    backend: str, model: str, buffers: list[int], updates: int, threads: int | None, sparse: bool = False
 ) -> tuple[list[Row], dict[str, Any]]:
     if backend == "ipc":
         engine_device = trainer_device = torch.device("cuda", 0)
@@ -426,6 +503,8 @@ def run(
                 )
             )
             print(f"done: {cmd} -> {rows[-1].seconds:.4f} s", file=sys.stderr, flush=True)
+        if sparse:
+            rows.append(_engine_sparse(engine, engine_end, target, updates, nbytes, ceiling_s, info))
         _send(engine_end, {"cmd": "exit"})
     finally:
         engine.shutdown()  # before waiting for the trainer: both sides leave the group at the same time
@@ -434,6 +513,51 @@ def run(
             trainer.kill()
             trainer.join(5)
     return rows, info
+
+
+def _engine_sparse(
+    engine: Any,
+    conn: Connection,
+    target: dict[str, torch.Tensor],
+    updates: int,
+    nbytes: int,
+    ceiling_s: float,
+    info: dict[str, Any],
+) -> Row:
+    """The engine's end of the sparse run: a full update to v0, then patches scattered in place."""
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+        indices: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            base, _, part = name.rpartition(".")
+            if part == "indices":
+                indices[base] = tensor
+            elif part == "values":
+                target[base].view(-1).index_copy_(0, indices.pop(base).long(), tensor)
+            else:
+                target[name].copy_(tensor)
+
+    _send(conn, {"cmd": "sparse", "updates": updates})
+    for _ in range(updates + 1):
+        while True:  # the first update (v0, full) comes in several chunks
+            update_info = engine.parse_update_info(_recv(conn)["update_info"])
+            engine.receive_weights(update_info, load)
+            _send(conn, {"ok": True})
+            if update_info.is_last_chunk:
+                break
+    done = _recv(conn)
+    bad = [name for name, t in target.items() if tensor_sha256(t) != done["digest"][name]]
+    if bad:
+        raise AssertionError(f"sparse: {len(bad)} tensors differ from the trainer's version, e.g. {bad[:3]}")
+    numel = nbytes // 2
+    info.update(
+        sparse_changed=done["changed"],
+        sparse_changed_fraction=done["changed"] / numel,
+        sparse_bytes=done["patch_bytes"],
+        full_bytes=nbytes,
+    )
+    seconds = statistics.median(done["times"][1:])
+    return Row("ipc", "sparse", done["patch_bytes"] / MIB, None, seconds, nbytes / seconds / 1e9, ceiling_s / seconds)
 
 
 def _pair(memory: dict[str, float | None]) -> tuple[float, float] | None:
@@ -458,6 +582,12 @@ def print_table(rows: list[Row], info: dict[str, Any]) -> None:
         print(
             f"ceiling: device copy {info['copy_bw_gbps']:.0f} GB/s (read+write) -> floor "
             f"{info['copy_floor_s'] * 1e3:.3f} ms; per-tensor copy of all weights {info['per_tensor_s'] * 1e3:.3f} ms"
+        )
+    if "sparse_changed" in info:
+        print(
+            f"sparse: one Adam step at lr 1e-6 changed {info['sparse_changed']} bf16 values "
+            f"({info['sparse_changed_fraction']:.2%}); a sparse update carries {info['sparse_bytes'] / MIB:.1f} MiB "
+            f"against {info['full_bytes'] / MIB:.1f} MiB full (its row: buffer = patch MiB, GB/s = model bytes / s)"
         )
     else:
         print(
@@ -511,6 +641,7 @@ def main() -> None:
         help="torch intra-op threads per process (default for gloo: 1; both processes and gloo's own threads share "
         "the cores, and oversubscribed OpenMP copies ran 20x slower on a 2-core machine)",
     )
+    parser.add_argument("--sparse", action="store_true", help="ipc: also the sparse (delta) update; see above")
     parser.add_argument("--out", default=None, help="write the rows and the run's info as JSON")
     args = parser.parse_args()
     if args.backend in ("ipc", "nccl") and not torch.cuda.is_available():
@@ -520,7 +651,9 @@ def main() -> None:
     buffers = [b * MIB for b in args.buffer_mib] if args.buffer_mib else list(DEFAULT_BUFFERS[args.backend])
     updates = args.updates or DEFAULT_UPDATES[args.backend]
     threads = args.threads or (1 if args.backend == "gloo" else None)
-    rows, info = run(args.backend, model, buffers, updates, threads)
+    if args.sparse and args.backend != "ipc":
+        raise SystemExit("--sparse runs with --backend ipc (one GPU)")
+    rows, info = run(args.backend, model, buffers, updates, threads, args.sparse)
     print_table(rows, info)
     if args.out:
         with open(args.out, "w") as f:

@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "server": 4,
     "rl": 4,
     "cli": 5,
+    "distributed": 5,
 }
 ROOT = Path(rlserve.__file__).parent
 

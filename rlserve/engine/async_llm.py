@@ -259,6 +259,9 @@ class AsyncLLM(EngineFrontEnd):
         self.check_weight_update_format(is_checkpoint_format)
         await self._call("start_weight_update")
 
+    async def start_draft_weight_update(self) -> None:
+        raise self.no_draft_model()
+
     async def update_weights(self, request) -> None:
         await self._call("update_weights", _field(request, "update_info"))
 

@@ -25,7 +25,7 @@ from rlserve.engine.worker.model_runner import LaunchedStep
 from rlserve.engine.worker.tp_workers import create_runner
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams
-from rlserve.weight_transfer.base import TRAINER_LOST
+from rlserve.weight_transfer.base import TRAINER_LOST, WeightUpdateRefused
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +386,12 @@ class EngineCore:
         index = self.config.data_parallel_rank * tp_size  # vLLM's: dp_rank * TP + tp_rank; this is tp_rank 0
         if self.weight_transfer is None:
             self.weight_transfer = WeightTransferEngineFactory.create_engine(
-                self.config.weight_transfer_config, self.runner.device, index, self.config.weight_transfer_timeout_s
+                self.config.weight_transfer_config,
+                self.runner.device,
+                index,
+                self.config.weight_transfer_timeout_s,
+                model=self.runner.model,
+                model_config=self.config,
             )
         parsed = self.weight_transfer.parse_init_info(init_info)
         # The other ranks start their rendezvous on threads of their own and answer at once; they join with this one.
@@ -405,7 +410,7 @@ class EngineCore:
 
     def start_weight_update(self) -> None:
         self._drain()
-        self._require_transfer_engine("start_weight_update")
+        transfer = self._require_transfer_engine("start_weight_update")
         self._require_weights("start_weight_update")
         if self.weight_update_active:
             raise RuntimeError(
@@ -417,6 +422,7 @@ class EngineCore:
         if self._snapshot_valid:
             self._snapshot = self.runner.snapshot_weights(self._snapshot)
         self._update_written.clear()
+        transfer.start_weight_update()
         self.weight_update_active = True
 
     def update_weights(self, update_info: dict) -> None:
@@ -443,12 +449,16 @@ class EngineCore:
                 touched.update(self.runner.checkpoint_names(name for name, _ in weights))
                 self.runner.load_weights(weights)
 
+            if transfer.receives_into_model():  # it writes the model itself: count every tensor it names
+                touched.update(self.runner.checkpoint_names(info.names))
             try:
                 # Every tensor-parallel rank receives the same broadcast and keeps its part.
                 with self.runner.mirrored("receive_weights", update_info, True):
-                    transfer.receive_weights(info, load)
+                    transfer.receive(info, load)
                 if self.runner.device.type == "cuda":
                     torch.cuda.synchronize(self.runner.device)
+            except WeightUpdateRefused as e:  # refused before writing: nothing changed, the update stays open
+                raise ValueError(f"update_info: {e}") from e  # a builtin type: it crosses to the front end as is
             except TRAINER_LOST as e:
                 self._update_written |= touched
                 outcome = self._abandon_weight_update(f"the trainer was lost during update_weights: {e}")
@@ -463,7 +473,10 @@ class EngineCore:
                 self._update_written |= touched
                 self._mark_unwritten(touched, "an update_weights call failed part-way through writing them")
                 raise
-        self._written(touched)
+        if transfer.applies_deltas:  # patched, not rewritten: a tensor with no valid weights still has none
+            self._update_written |= touched
+        else:
+            self._written(touched)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._drain()
@@ -474,6 +487,8 @@ class EngineCore:
             raise RuntimeError(f"finish_weight_update: {reason}; send them with update_weights first")
         self.weight_update_active = False
         self._update_written.clear()
+        if self.weight_transfer is not None:
+            self.weight_transfer.finish_weight_update()
         # KV computed under the old weights must not be served to requests that start from now on.
         self.kv_cache.reset_prefix_cache()
         if weight_version is not None:

@@ -186,6 +186,15 @@ class EngineFrontEnd:
         return self.config.tensor_parallel_size * (self.config.data_parallel_size if include_dp else 1)
 
     @staticmethod
+    def no_draft_model() -> RuntimeError:
+        """vLLM 0.33's start_draft_weight_update retargets an update at the speculative draft model; rlserve runs no
+        speculative decoding, so there is never one."""
+        return RuntimeError(
+            "start_draft_weight_update: this engine has no speculative draft model (rlserve runs no speculative "
+            "decoding); update the model's weights with start_weight_update"
+        )
+
+    @staticmethod
     def check_weight_update_format(is_checkpoint_format: bool) -> None:
         """vLLM's start_weight_update(is_checkpoint_format=False) sends the model's own (fused) parameter names;
         rlserve's loader takes the checkpoint's names only, so it refuses rather than misreading them."""
@@ -320,6 +329,9 @@ class LLM(EngineFrontEnd):
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self.check_weight_update_format(is_checkpoint_format)
         self.client.call("start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        raise self.no_draft_model()
 
     def update_weights(self, request) -> None:
         self.client.call("update_weights", _field(request, "update_info"))

@@ -90,6 +90,7 @@ class _Routes:
         return _Call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
 
     start_weight_update = _Call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+    shutdown_weight_transfer_engine = _Call("POST", "/shutdown_weight_transfer_engine")
 
     @staticmethod
     def update_weights(update_info: dict[str, Any]) -> _Call:
@@ -193,6 +194,9 @@ class RLServeClient:
 
     def start_weight_update(self) -> None:
         self._send(_Routes.start_weight_update)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._send(_Routes.shutdown_weight_transfer_engine)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Blocks until the engine has received and loaded the tensors: run it beside trainer_send_weights."""

@@ -189,6 +189,11 @@ def build_rl_router(
         metrics.weight_update_started()
         return {"message": "Weight update started"}
 
+    @router.post("/start_draft_weight_update")
+    async def start_draft_weight_update() -> dict[str, str]:
+        await _engine_call(engine.start_draft_weight_update())
+        return {"message": "Draft weight update started"}
+
     @router.post("/update_weights")
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, str]:
         """vLLM's `{"update_info": {...}}` or a list of them, applied in order (an update refused part-way leaves

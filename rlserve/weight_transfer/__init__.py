@@ -1,7 +1,10 @@
 """Weight transfer from a trainer into a running engine, with vLLM's native weight-sync API shapes.
 
-Engine side: `WeightTransferEngineFactory.create_engine(config, device)` -> a `WeightTransferEngine`. Trainer side:
-`NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights` and `IPCWeightTransferEngine.trainer_send_weights`.
+Engine side: `WeightTransferEngineFactory.create_engine(config, device, model=...)` -> a `WeightTransferEngine` (of
+vLLM 0.33's shape or 0.24's). Trainer side, 0.24: `NCCLWeightTransferEngine.trainer_init` / `trainer_send_weights` and
+`IPCWeightTransferEngine.trainer_send_weights`; 0.33: `WeightTransferTrainerFactory.trainer_init(init_info, client=,
+source=)` -> a `TrainerWeightTransferEngine` (`trainer.py`, `source.py`; vLLM's import paths in
+`rlserve.distributed.weight_transfer`).
 """
 
 from rlserve.weight_transfer.base import (
@@ -14,7 +17,7 @@ from rlserve.weight_transfer.base import (
     WeightTransferUpdateRequest,
 )
 from rlserve.weight_transfer.checksum import compare_checksums, tensor_sha256, weight_checksums
-from rlserve.weight_transfer.factory import WeightTransferEngineFactory
+from rlserve.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 from rlserve.weight_transfer.ipc import (
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
@@ -43,6 +46,7 @@ __all__ = [
     "NCCLWeightTransferUpdateInfo",
     "WeightTransferEngine",
     "WeightTransferEngineFactory",
+    "WeightTransferTrainerFactory",
     "WeightTransferGroup",
     "WeightTransferInitInfo",
     "WeightTransferInitRequest",

@@ -9,6 +9,7 @@ them, and a plain dataclass may not inherit from a frozen one.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -82,24 +83,109 @@ TInitInfo = TypeVar("TInitInfo", bound=WeightTransferInitInfo)
 TUpdateInfo = TypeVar("TUpdateInfo", bound=WeightTransferUpdateInfo)
 
 
-class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
-    """One worker's end of a weight-transfer backend.
+@dataclass(frozen=True)
+class ParallelConfigLike:
+    """What a vLLM 0.33 backend reads of `vllm_config.parallel_config` to place a worker in the trainer's group:
+    its rank within its data-parallel group (TP x PP; rlserve has one worker per core), and the group's index."""
 
-    The engine calls, in order: `parse_init_info` + `init_transfer_engine` once; then per update
-    `parse_update_info` and either `receive_weights` (metadata accepted) or `discard_weights` (metadata refused, so
-    that a trainer in the middle of sending does not hang); `shutdown` at the end. The trainer side is the static
-    `trainer_send_weights` (and, where the backend needs a rendezvous, a static `trainer_init`).
+    rank: int = 0
+    world_size: int = 1
+    data_parallel_index: int = 0
+    data_parallel_size: int = 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.data_parallel_index
+
+    @property
+    def world_size_across_dp(self) -> int:
+        return self.world_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class VllmConfigLike:
+    """The stand-in for `vllm_config` that rlserve passes a vLLM 0.33-shaped backend: `parallel_config` as above;
+    `model_config` the engine's `EngineConfig` (vLLM's layerwise reload, which reads it, does not exist here)."""
+
+    parallel_config: ParallelConfigLike = ParallelConfigLike()
+    model_config: Any = None
+
+
+class WeightUpdateRefused(ValueError):
+    """Raised by `receive_weights` when it refused the update after taking delivery but before writing any of it
+    (a sparse index out of bounds, say): the engine then knows the model is unchanged."""
+
+
+class _DiscardingModel(torch.nn.Module):
+    """The target of a discarded update for a backend that loads through `self.model.load_weights`."""
+
+    def load_weights(self, weights) -> int:
+        return sum(1 for _ in weights)
+
+
+class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
+    """One worker's end of a weight-transfer backend, in either of vLLM's two shapes:
+
+    - vLLM 0.33: `__init__(config, vllm_config, device, model)` and `receive_weights(update_info)`, which loads into
+      the engine-owned `self.model` (its `load_weights`, or in place);
+    - vLLM 0.24: `__init__(config, device)` and `receive_weights(update_info, load_weights)`, which hands tensors to
+      the engine's loader.
+
+    The factory and the engine tell them apart by signature (a constructor parameter named `model`, a
+    `receive_weights` with a second parameter). The engine calls, in order: `parse_init_info` +
+    `init_transfer_engine` once; per update `start_weight_update`, then for each `update_weights` call
+    `parse_update_info` and either `receive_weights` (metadata accepted) or `discard_weights` (refused, so a trainer
+    in the middle of sending does not hang), then `finish_weight_update`; `shutdown` at the end.
+
+    rlserve's own dense backends keep the 0.24 shape: the engine's loader records exactly which tensors were written,
+    so a failed update rolls back only those. A 0.33 backend's failure counts every tensor of its update as written,
+    unless it raises `WeightUpdateRefused`.
     """
 
     init_info_cls: ClassVar[type[WeightTransferInitInfo]]
     update_info_cls: ClassVar[type[WeightTransferUpdateInfo]]
+    # True for a backend that patches tensors rather than rewriting them (sparse_nccl): a tensor that held no valid
+    # weights still holds none after a patch.
+    applies_deltas: ClassVar[bool] = False
     # This worker's index among all the engine's workers (vLLM: dp_rank * TP * PP + rank within the DP group), set
     # by the factory: a backend with one group for every worker (nccl) takes its rank from it.
     worker_index: int = 0
 
-    def __init__(self, config: WeightTransferConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfigLike | torch.device | str | None = None,
+        device: torch.device | str | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        if device is None and isinstance(vllm_config, torch.device | str):  # the 0.24 call: (config, device)
+            vllm_config, device = None, vllm_config
+        if device is None:
+            raise TypeError(f"{type(self).__name__}: `device` is required")
         self.config = config
+        self.vllm_config = vllm_config if isinstance(vllm_config, VllmConfigLike) else VllmConfigLike()
+        self.parallel_config = self.vllm_config.parallel_config
+        self.model_config = self.vllm_config.model_config
         self.device = torch.device(device)
+        self.model = self._default_model = model
+
+    @classmethod
+    def receives_into_model(cls) -> bool:
+        """True for the 0.33 shape: `receive_weights(update_info)` loads into `self.model` itself."""
+        return len(inspect.signature(cls.receive_weights).parameters) == 2
+
+    def receive(self, update_info: TUpdateInfo, load_weights: LoadWeightsFn) -> None:
+        """`receive_weights` in whichever shape the backend has."""
+        if self.receives_into_model():
+            self.receive_weights(update_info)  # type: ignore[call-arg]
+        else:
+            self.receive_weights(update_info, load_weights)
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.model, self.model_config = model, model_config
+
+    def reset_weight_update_target(self) -> None:
+        self.model, self.model_config = self._default_model, self.vllm_config.model_config
 
     def parse_init_info(self, init_info: dict[str, Any]) -> TInitInfo:
         return self._parse(self.init_info_cls, init_info, "init_info")  # type: ignore[return-value]
@@ -120,17 +206,32 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         """Set up the transport (a rendezvous with the trainer, where the backend has one). May block until the
         trainer joins."""
 
-    @abstractmethod
-    def receive_weights(self, update_info: TUpdateInfo, load_weights: LoadWeightsFn) -> None:
-        """Receive the tensors described by `update_info` and pass them to `load_weights` (possibly in several
-        calls). Returns once every tensor has been handed over; raises one of TRAINER_LOST if the trainer is gone or
-        silent for longer than the backend waits."""
+    def start_weight_update(self) -> None:
+        """A weight update begins (vLLM 0.33's hook; its dense backends start a layerwise reload here)."""
+
+    def finish_weight_update(self) -> None:
+        """The weight update is complete (vLLM 0.33's hook)."""
 
     @abstractmethod
+    def receive_weights(self, update_info: TUpdateInfo, load_weights: LoadWeightsFn) -> None:
+        """Receive the tensors described by `update_info` and load them: into `self.model` (0.33 shape, no
+        `load_weights` parameter) or through `load_weights`, possibly in several calls (0.24 shape). Returns once
+        every tensor is in; raises one of TRAINER_LOST if the trainer is gone or silent for longer than the backend
+        waits."""
+
     def discard_weights(self, update_info: TUpdateInfo) -> None:
         """Take delivery of the update described by `update_info` and drop it: called instead of `receive_weights`
         when the engine refused the update's metadata, so the trainer's send completes and the transport stays in
-        step."""
+        step. This default receives into a loader that keeps nothing; a backend that writes the model other than
+        through `load_weights` overrides it."""
+        if not self.receives_into_model():
+            self.receive_weights(update_info, lambda weights: None)
+            return
+        self.set_weight_update_target(_DiscardingModel(), self.model_config)
+        try:
+            self.receive_weights(update_info)  # type: ignore[call-arg]
+        finally:
+            self.reset_weight_update_target()
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -8,12 +8,14 @@ import inspect
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from rlserve.config import WeightTransferConfig
-from rlserve.weight_transfer.base import WeightTransferEngine
+from rlserve.weight_transfer.base import ParallelConfigLike, VllmConfigLike, WeightTransferEngine
+from rlserve.weight_transfer.source import WeightSource
+from rlserve.weight_transfer.trainer import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
 EngineLoader = Callable[[], type[WeightTransferEngine]]
 SCRIPT_MODULE_PREFIX = "_rlserve_script_"  # the module names of backends loaded from a script's path
@@ -35,11 +37,11 @@ def _import_module(module_path: str) -> ModuleType:
     return sys.modules[name]
 
 
-def _lazy_loader(module_path: str, class_name: str) -> EngineLoader:
-    def load() -> type[WeightTransferEngine]:
+def _lazy_loader(module_path: str, class_name: str, base: type = WeightTransferEngine) -> Callable[[], Any]:
+    def load() -> type:
         cls = getattr(_import_module(module_path), class_name)
-        if not (isinstance(cls, type) and issubclass(cls, WeightTransferEngine)):
-            raise TypeError(f"{module_path}.{class_name} is not a WeightTransferEngine subclass")
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"{module_path}.{class_name} is not a {base.__name__} subclass")
         return cls
 
     return load
@@ -103,19 +105,72 @@ class WeightTransferEngineFactory:
         device: torch.device | str,
         worker_index: int = 0,
         timeout_s: float | None = None,
+        model: torch.nn.Module | None = None,
+        model_config: Any = None,
     ) -> WeightTransferEngine:
         """The backend for the worker `worker_index` of the engine (vLLM's dp_rank * tensor_parallel_size + tp_rank).
+        A vLLM 0.33-shaped backend (a constructor parameter named `model`) is built as `(config, vllm_config, device,
+        model)` with a `VllmConfigLike` placing it at `worker_index`; a 0.24-shaped one as `(config, device)`.
         `timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s), given to
-        a backend whose constructor takes a `timeout_s` keyword (`nccl`); vLLM-style backends built from (config,
-        device) alone keep their own."""
+        a backend whose constructor takes a `timeout_s` keyword; others keep their own."""
         engine_cls = cls.get_engine_cls(config.backend)
-        if timeout_s is not None and "timeout_s" in inspect.signature(engine_cls).parameters:
-            engine = engine_cls(config, torch.device(device), timeout_s=timeout_s)
+        parameters = inspect.signature(engine_cls).parameters
+        kwargs = {"timeout_s": timeout_s} if timeout_s is not None and "timeout_s" in parameters else {}
+        if "model" in parameters:
+            vllm_config = VllmConfigLike(ParallelConfigLike(data_parallel_index=worker_index), model_config)
+            engine = engine_cls(config, vllm_config, torch.device(device), model, **kwargs)
         else:
-            engine = engine_cls(config, torch.device(device))
+            engine = engine_cls(config, torch.device(device), **kwargs)
         engine.worker_index = worker_index  # set here, not passed: backends' constructors keep vLLM's signature
         return engine
 
 
+class WeightTransferTrainerFactory:
+    """The trainer side's registry, kept apart from the engine's as in vLLM 0.33 (the trainer never builds an engine
+    backend and vice versa). `trainer_init` dispatches on `init_info.backend`."""
+
+    _registry: ClassVar[dict[str, Callable[[], type[TrainerWeightTransferEngine]]]] = {}
+
+    @classmethod
+    def register_engine(
+        cls, name: str, module_path_or_cls: str | type[TrainerWeightTransferEngine], class_name: str | None = None
+    ) -> None:
+        if name in cls._registry:
+            raise ValueError(f"Weight transfer trainer engine {name!r} is already registered")
+        if isinstance(module_path_or_cls, str):
+            if class_name is None:
+                raise ValueError(f"register_engine({name!r}, {module_path_or_cls!r}) needs class_name")
+            cls._registry[name] = _lazy_loader(module_path_or_cls, class_name, TrainerWeightTransferEngine)
+        elif isinstance(module_path_or_cls, type) and issubclass(module_path_or_cls, TrainerWeightTransferEngine):
+            engine_cls = module_path_or_cls
+            cls._registry[name] = lambda: engine_cls
+        else:
+            raise TypeError(
+                f"expected a TrainerWeightTransferEngine subclass or a module path, got {module_path_or_cls!r}"
+            )
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: TrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> TrainerWeightTransferEngine:
+        """A rendezvoused, ready-to-send trainer engine for `init_info.backend`; called on every trainer rank."""
+        loader = cls._registry.get(init_info.backend)
+        if loader is None:
+            raise ValueError(
+                f"Invalid weight transfer backend: {init_info.backend}. Available trainer engines: "
+                f"{sorted(cls._registry)}"
+            )
+        return loader().trainer_init(init_info, client=client, source=source)
+
+
 WeightTransferEngineFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLWeightTransferEngine")
 WeightTransferEngineFactory.register_engine("ipc", "rlserve.weight_transfer.ipc", "IPCWeightTransferEngine")
+WeightTransferEngineFactory.register_engine(
+    "sparse_nccl", "rlserve.weight_transfer.sparse_nccl", "SparseNCCLWeightTransferEngine"
+)
+
+WeightTransferTrainerFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLTrainerWeightTransferEngine")
+WeightTransferTrainerFactory.register_engine("ipc", "rlserve.weight_transfer.ipc", "IPCTrainerWeightTransferEngine")
+WeightTransferTrainerFactory.register_engine(
+    "sparse_nccl", "rlserve.weight_transfer.sparse_nccl", "SparseNCCLTrainerWeightTransferEngine"
+)

@@ -19,7 +19,7 @@ import base64
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -33,6 +33,14 @@ from rlserve.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from rlserve.weight_transfer.packed import as_bytes, tensor_metas, unpack_tensors
+from rlserve.weight_transfer.source import WeightSource
+from rlserve.weight_transfer.trainer import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    check_single_sender,
+    checked_iter,
+)
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 HTTP_TIMEOUT_S = 300.0
@@ -271,7 +279,10 @@ def _send_packed(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, buf
 
 @dataclass
 class IPCWeightTransferInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: the handles come with each update."""
+    """Nothing to set up: the handles come with each update. `packed` is vLLM 0.33's handshake-time wire flag: with
+    it, an update of unpacked handles is refused (each update's handles say how they are laid out either way)."""
+
+    packed: bool = False
 
 
 @dataclass
@@ -334,12 +345,16 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
     def __init__(self, config: WeightTransferConfig, device: torch.device) -> None:
         super().__init__(config, device)
         self._mapping: _Mapping | None = None
+        self._packed = False
 
     def init_transfer_engine(self, init_info: IPCWeightTransferInitInfo) -> None:
         self._device_index()  # fail at the handshake, not at the first update, on a non-CUDA engine
+        self._packed = init_info.packed
 
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
         index = self._device_index()
+        if self._packed and not update_info.packed:
+            raise ValueError("update_info: unpacked ipc_handles (a list), but init_info said packed=True")
         if update_info.packed:
             buffer = self._map_buffer(update_info.ipc_handles, index, required=True)
             load_weights(unpack_tensors(buffer, tensor_metas(update_info)))
@@ -436,3 +451,55 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
                     _send_unpacked(iterator, send)
         finally:
             torch.cuda.ipc_collect()
+
+
+# --- Trainer side, vLLM 0.33 ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class IPCTrainerInitInfo(TrainerInitInfo):
+    """No rendezvous: `packed` and the staging buffer's size are the wire parameters (`packed` is handed to the
+    engine at the handshake)."""
+
+    backend: ClassVar[str] = "ipc"
+
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+
+class IPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[IPCTrainerInitInfo]):
+    """Exports the whole `WeightSource` (CUDA tensors on the engine's GPU) every round and posts the handles as the
+    update itself, through the client's `update_weights`. Non-sender ranks only join the gathers."""
+
+    init_info_cls = IPCTrainerInitInfo
+
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: IPCTrainerInitInfo) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
+        self.init_info = init_info
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: IPCTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> IPCTrainerWeightTransferEngine:
+        if source is None or not source.implements_iter_full():
+            raise ValueError("the ipc trainer engine shares full tensors: it needs a WeightSource with iter_full()")
+        check_single_sender(source)
+        engine = cls(client=client, source=source, init_info=init_info)
+        if engine.is_sender:
+            client.init_weight_transfer_engine({"packed": init_info.packed})
+        return engine
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        if not self.is_sender:
+            for _ in self.source.iter_full():
+                pass
+            return
+        args = IPCTrainerSendWeightsArgs(
+            send_mode=self.client.update_weights,
+            packed=self.init_info.packed,
+            packed_buffer_size_bytes=self.init_info.packed_buffer_size_bytes,
+        )
+        self.client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(checked_iter(self.source, self.source.metadata), args)
+        self.client.finish_weight_update()

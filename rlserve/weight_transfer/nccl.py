@@ -18,14 +18,15 @@ Trainer side, with the engine's update metadata sent as `update_info` (names, dt
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlserve.config import WeightTransferConfig
+from rlserve.dtypes import dtype_name
 from rlserve.weight_transfer.base import (
     LoadWeightsFn,
     WeightTransferEngine,
@@ -33,6 +34,16 @@ from rlserve.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from rlserve.weight_transfer.packed import PackedSender, as_bytes, receive_buckets, tensor_metas
+from rlserve.weight_transfer.source import ParamMeta, WeightSource
+from rlserve.weight_transfer.trainer import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    check_single_sender,
+    checked_iter,
+    run_trainer_rendezvous,
+    send_with_update,
+)
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -148,8 +159,11 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    nccl_unique_id_b64: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.nccl_unique_id_b64 is not None:
+            refuse_nccl_unique_id()
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError(f"master_address must be a host name or address, got {self.master_address!r}")
         if type(self.master_port) is not int or not 0 < self.master_port < 65536:
@@ -165,7 +179,13 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
 @dataclass
 class NCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """Metadata of the tensors the trainer broadcasts, in order. `packed_buffer_size_bytes` must equal the
-    trainer's; None takes the init info's value. The update is packed if this or the init info says so."""
+    trainer's; None takes the init info's value. The update is packed if this or the init info says so. As in vLLM
+    0.33, empty `names`/`dtype_names`/`shapes` reuse the previous update's metadata (a trainer that sends the same
+    parameters every round ships them once)."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
 
     packed: bool = False
     packed_buffer_size_bytes: int | None = None
@@ -217,6 +237,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         self.timeout_s = timeout_s
         self._group: WeightTransferGroup | None = None
         self._init_info: NCCLWeightTransferInitInfo | None = None
+        self._last_metadata: tuple[list[str], list[str], list[list[int]]] | None = None
 
     @property
     def group(self) -> WeightTransferGroup | None:
@@ -226,11 +247,12 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until the trainer (rank 0) has called `trainer_init`."""
         self.shutdown()  # a second init (new trainer run) replaces the old group
-        rank = init_info.rank_offset + self.worker_index
-        self._group = WeightTransferGroup.create(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, self.timeout_s
-        )
+        self._group = join_worker_group(init_info, self.worker_index, self.timeout_s)
         self._init_info = init_info
+
+    def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
+        check_no_unique_id(init_info)
+        return super().parse_init_info(init_info)
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
         self._receive(update_info, load_weights)
@@ -242,16 +264,14 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         group, init = self._group, self._init_info
         if group is None or init is None:
             raise self._not_initialized()
-
-        def broadcast(tensor: torch.Tensor) -> _ReceiveWork:
-            try:
-                return _ReceiveWork(group.broadcast(tensor, src=0), self.timeout_s)
-            except dist.DistError as e:  # the store: the trainer never set up its side within the timeout
-                raise _trainer_lost(e, self.timeout_s) from e
-
+        if update_info.names:
+            self._last_metadata = (update_info.names, update_info.dtype_names, update_info.shapes)
+        elif self._last_metadata is not None:
+            names, dtype_names, shapes = self._last_metadata
+            update_info = replace(update_info, names=names, dtype_names=dtype_names, shapes=shapes)
         receive_buckets(
             tensor_metas(update_info),
-            broadcast,
+            lambda tensor: receive_broadcast(group, tensor, self.timeout_s),
             load_weights,
             _first_set(update_info.packed_buffer_size_bytes, init.packed_buffer_size_bytes),
             _first_set(update_info.packed_num_buffers, init.packed_num_buffers),
@@ -264,6 +284,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             self._group.shutdown()
         self._group = None
         self._init_info = None
+        self._last_metadata = None
 
     @staticmethod
     def trainer_init(init_info: Mapping[str, Any]) -> WeightTransferGroup:
@@ -319,6 +340,38 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             last_stream.synchronize()
 
 
+def refuse_nccl_unique_id() -> None:
+    raise ValueError(
+        "nccl_unique_id_b64: not supported; rlserve's weight-transfer group rendezvous over a TCPStore at "
+        "master_address/master_port (the same store also sets up gloo for CPU tensors), so a pre-shared NCCL unique "
+        "id has nothing to join: pass master_address and master_port"
+    )
+
+
+def check_no_unique_id(init_info: Any) -> None:
+    """Refuse `nccl_unique_id_b64` by name before a missing master_address would be reported instead."""
+    if isinstance(init_info, dict) and init_info.get("nccl_unique_id_b64") is not None:
+        refuse_nccl_unique_id()
+
+
+def join_worker_group(
+    init_info: NCCLWeightTransferInitInfo, worker_index: int, timeout_s: float
+) -> WeightTransferGroup:
+    """An engine worker's place in the trainer's group: rank `rank_offset` + its index among the workers."""
+    rank = init_info.rank_offset + worker_index
+    return WeightTransferGroup.create(
+        init_info.master_address, init_info.master_port, rank, init_info.world_size, timeout_s
+    )
+
+
+def receive_broadcast(group: WeightTransferGroup, tensor: torch.Tensor, timeout_s: float) -> _ReceiveWork:
+    """Start receiving `tensor` from the trainer; a trainer that never set up its side reads as TRAINER_LOST."""
+    try:
+        return _ReceiveWork(group.broadcast(tensor, src=0), timeout_s)
+    except dist.DistError as e:  # the store: the trainer never set up its side within the timeout
+        raise _trainer_lost(e, timeout_s) from e
+
+
 class _ReceiveWork:
     """A receiving broadcast whose failure reads as what it is: the trainer's process closed its connections (it
     died: gloo's "Connection closed by peer") or sent nothing within the timeout. Both backends raise a plain
@@ -341,3 +394,107 @@ def _trainer_lost(error: BaseException, timeout_s: float) -> ConnectionError:
 
 def _first_set(value: int | None, default: int) -> int:
     return default if value is None else value
+
+
+# --- Trainer side, vLLM 0.33 ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class NCCLTrainerInitInfo(TrainerInitInfo):
+    """The trainer's rendezvous: it serves the store at `master_address:master_port` as rank 0 of a group of
+    `world_size` (trainer + every engine worker). `packed` and the buffer geometry are the wire parameters, handed to
+    the engine at the handshake so the two sides cannot disagree (packed by default, as vLLM 0.33's trainer).
+    `timeout_s` (rlserve's): how long the rendezvous and each broadcast wait for the engine."""
+
+    backend: ClassVar[str] = "nccl"
+
+    master_address: str
+    master_port: int
+    world_size: int
+    packed: bool = True
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def worker_init_info(self) -> dict[str, Any]:
+        """The engine's init_info: its workers take the ranks after the trainer's."""
+        info = NCCLWeightTransferInitInfo(
+            self.master_address, self.master_port, self.world_size, 1, self.packed, self.packed_buffer_size_bytes,
+            self.packed_num_buffers,
+        )  # fmt: skip
+        return {k: v for k, v in asdict(info).items() if v is not None}
+
+    def open_group(self) -> WeightTransferGroup:
+        return WeightTransferGroup.create(self.master_address, self.master_port, 0, self.world_size, self.timeout_s)
+
+
+class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
+    """Broadcasts the whole `WeightSource` from rank 0 every round, the engine's `update_weights` receiving
+    concurrently. Non-sender ranks iterate the source only, to join the gathers of sharded parameters."""
+
+    init_info_cls = NCCLTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        init_info: NCCLTrainerInitInfo,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
+        self.init_info = init_info
+        self.group: WeightTransferGroup | None = None
+        self._sent_meta: list[ParamMeta] | None = None  # the engine reuses metadata it already has
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: NCCLTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> NCCLTrainerWeightTransferEngine:
+        if source is None or not source.implements_iter_full():
+            raise ValueError("the nccl trainer engine sends full tensors: it needs a WeightSource with iter_full()")
+        check_single_sender(source)
+        engine = cls(client=client, source=source, init_info=init_info)
+        if engine.is_sender:
+            payload = init_info.worker_init_info()
+
+            def open_group() -> None:
+                engine.group = init_info.open_group()
+
+            run_trainer_rendezvous(
+                init_worker=lambda: client.init_weight_transfer_engine(payload), init_trainer=open_group
+            )
+        return engine
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        meta = self.source.metadata
+        if not self.is_sender:
+            for _ in self.source.iter_full():  # the gathers of sharded parameters need every owner
+                pass
+            return
+        if self.group is None:
+            raise RuntimeError("send_weights after shutdown(): call trainer_init again")
+        info = self.init_info
+        update_info: dict[str, Any] = {}
+        if meta != self._sent_meta:
+            update_info = {
+                "names": [m.name for m in meta],
+                "dtype_names": [dtype_name(m.dtype) for m in meta],
+                "shapes": [list(m.shape) for m in meta],
+            }
+        args = NCCLTrainerSendWeightsArgs(
+            group=self.group, packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers,
+        )  # fmt: skip
+        self.client.start_weight_update()
+        send_with_update(
+            lambda: self.client.update_weights(update_info),
+            lambda: NCCLWeightTransferEngine.trainer_send_weights(checked_iter(self.source, meta), args),
+        )
+        self.client.finish_weight_update()
+        self._sent_meta = meta
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None

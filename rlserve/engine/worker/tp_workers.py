@@ -143,7 +143,9 @@ class _Follower:
 
         self.close_weight_transfer()
         index = first_index + self.rank
-        transfer = WeightTransferEngineFactory.create_engine(config, self.runner.device, index, timeout_s)
+        transfer = WeightTransferEngineFactory.create_engine(
+            config, self.runner.device, index, timeout_s, model=self.runner.model, model_config=self.runner.config
+        )
         parsed = transfer.parse_init_info(init_info)
 
         def init() -> None:
@@ -174,7 +176,7 @@ class _Follower:
         info = transfer.parse_update_info(update_info)
         with self.runner.on_device():
             if accepted:
-                transfer.receive_weights(info, self.runner.load_weights)
+                transfer.receive(info, self.runner.load_weights)
             else:
                 transfer.discard_weights(info)
             if self.runner.device.type == "cuda":
