@@ -120,12 +120,21 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     context = zmq.Context()
+    link = None
+    if startup.config.data_parallel_lockstep:
+        from rlserve.engine.dp_lockstep import LockstepLink
+
+        try:  # waits for every rank: they start together
+            link = LockstepLink(startup.config, context)
+        except BaseException as e:
+            ready.send(("error", f"data-parallel lockstep rendezvous failed: {type(e).__name__}: {e}"))
+            raise SystemExit(1) from None
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a front end that left must not block the core
     socket.bind(startup.address)
     codec = Codec()
-    service = EngineCoreService(core, _SocketTransport(socket, codec))
+    service = EngineCoreService(core, _SocketTransport(socket, codec), link)
     # The start-up heap (torch, the model) lives as long as the process, yet every full collection walked it:
     # 0.3-0.4 s stalls of the step loop on an H200, inside pauses and weight syncs. Frozen, collections skip it.
     gc.collect()
@@ -134,18 +143,23 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
     ready.close()
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
+    if link is not None:  # a peer's wave notice wakes the loop as a front end's message does
+        poller.register(link.socket, zmq.POLLIN)
     last_parent_check = time.monotonic()
     try:
         while not shutdown_requested:
             timeout = int(service.input_timeout_s() * 1000)
-            while poller.poll(timeout):
-                client, payload = socket.recv_multipart(copy=True)
-                try:
-                    message = codec.input_decoder.decode(payload)
-                except (msgspec.DecodeError, ValueError):  # a front end's bug must not take the core down
-                    logger.exception("dropped a message the engine core cannot read")
-                else:
-                    service.handle(client, message)
+            while ready_sockets := dict(poller.poll(timeout)):
+                if link is not None and link.socket in ready_sockets:
+                    service.wave.wave_started(link.receive())
+                if socket in ready_sockets:
+                    client, payload = socket.recv_multipart(copy=True)
+                    try:
+                        message = codec.input_decoder.decode(payload)
+                    except (msgspec.DecodeError, ValueError):  # a front end's bug must not take the core down
+                        logger.exception("dropped a message the engine core cannot read")
+                    else:
+                        service.handle(client, message)
                 timeout = 0
             service.run_once()
             if service.failure is not None:
@@ -158,6 +172,8 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
                     break
     finally:
         core.shutdown()
+        if link is not None:
+            link.close()
         socket.close(linger=0)
         context.term()
 
