@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from rlserve.config import EngineConfig
+from rlserve.engine.dp_lockstep import LockstepLink, PeerLost
 from rlserve.engine.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
 from rlserve.log import configure_logging
 
@@ -39,6 +40,7 @@ MULTIPROCESSING_ENVS = ("RLSERVE_ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIP
 STARTUP_TIMEOUT_S = 600.0  # loading a large model and sizing its KV cache on a busy machine
 PARENT_CHECK_INTERVAL_S = 0.5
 EXIT_STEP_FAILED = 3  # an engine step raised: its requests were ended, the traceback is in the core's log
+EXIT_PEER_LOST = 4  # data-parallel lockstep: a peer rank left (stopped or died) while this one needed it
 # Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
 # time a fresh interpreter takes, and none inherits the threads of the front end (which fork would copy badly).
 _PRELOAD = ["rlserve.engine.fork_server_preload"]
@@ -122,8 +124,6 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
     context = zmq.Context()
     link = None
     if startup.config.data_parallel_lockstep:
-        from rlserve.engine.dp_lockstep import LockstepLink
-
         try:  # waits for every rank: they start together
             link = LockstepLink(startup.config, context)
         except BaseException as e:
@@ -161,7 +161,11 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
                     else:
                         service.handle(client, message)
                 timeout = 0
-            service.run_once()
+            try:
+                service.run_once()
+            except PeerLost as e:  # in the wave's all-gather: on a shutdown the ranks stop one after another
+                logger.warning("a data-parallel peer left (%s); this engine core exits", e)
+                raise SystemExit(EXIT_PEER_LOST) from None
             if service.failure is not None:
                 raise SystemExit(EXIT_STEP_FAILED)
             now = time.monotonic()
@@ -247,6 +251,8 @@ class CoreProcess:
                 how = f"killed by signal {-code}"
         elif code == EXIT_STEP_FAILED:
             how = "an engine step failed; the traceback is in its log"
+        elif code == EXIT_PEER_LOST:
+            how = "a data-parallel peer it steps in lockstep with was gone"
         elif code == 0:
             return f"the engine-core process (pid {self.process.pid}) was stopped (SIGTERM)"
         else:

@@ -264,12 +264,18 @@ class EngineCoreService:
         try:
             value = method(self, client, call, *call.args)
         except BaseException as e:
+            self._pause_lifted()
             self._publish_status()
             self.transport.send_result(client, error_result(call.call_id, e))
             return
+        self._pause_lifted()
         self._publish_status()
         if value is not _DEFERRED:
             self.transport.send_result(client, UtilityResult(call.call_id, value))
+
+    def _pause_lifted(self) -> None:
+        if self.wave is not None and self.wave.paused and not self.core.is_paused():
+            self.wave.pause_lifted()
 
     def _call_in_background(self, client: ClientId, call: UtilityCall, method: Callable) -> None:
         def run() -> None:

@@ -36,6 +36,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class PeerLost(RuntimeError):
+    """A peer rank left the group (stopped, or died): this rank cannot step in lockstep any more."""
+
+
 class LockstepLink:
     """One rank's end: `all_gather(flags)` blocks until every rank gave its flags; `announce(wave)` tells the peers
     a wave started; `socket` becomes readable when a peer's notice arrived (`receive` reads it)."""
@@ -69,7 +73,10 @@ class LockstepLink:
     def all_gather(self, flags: SyncFlags) -> list[SyncFlags]:
         for i, flag in enumerate(flags):
             self._sent[i] = flag
-        self.group.allgather([self._received], [self._sent]).wait()
+        try:
+            self.group.allgather([self._received], [self._sent]).wait()
+        except RuntimeError as e:  # gloo: "Connection closed by peer", a timeout
+            raise PeerLost(str(e).splitlines()[0].split(" This is typically")[0]) from None
         return [tuple(t.tolist()) for t in self._received]
 
     def announce(self, wave: int) -> None:

@@ -7,9 +7,10 @@ wave ends only at a collective decision:
 
 - A rank that gets work while idle starts a wave and tells its peers (`announce(wave)`, vLLM's START_DP_WAVE); a
   peer that hears of its current wave joins it. A notice of an older wave is stale (that wave ended) and dropped.
-- Every `sync_interval` steps of a wave the ranks all-gather their flags (has work, locally paused, a pause
-  pending, and the number of pause/resume calls received): the same list on every rank, so every rank takes the same
-  decision at the same collective. When none has work and none waits on a pause, the wave ends on every rank.
+- At the first step of a wave and every `sync_interval` steps after, the ranks all-gather their flags (has work,
+  locally paused, a pause pending, and the number of pause/resume calls received): the same list on every rank, so
+  every rank takes the same decision at the same collective. When none has work and none waits on a pause, the wave
+  ends on every rank.
 
 The two-phase pause: a pause call applies its mode on each rank at once (phase 1: abort, keep or wait) but is not
 answered yet; the rank keeps stepping (dummy steps if it has nothing left) and keeps honouring wave starts, so a
@@ -141,6 +142,13 @@ class LockstepRank:
             reply()
         self._run_deferred()
 
+    def pause_lifted(self) -> None:
+        """The engine lifted its pause by itself (an abandoned weight update: the trainer that would resume is
+        gone). Not a resume call, so not counted: every rank of the broadcast abandons it alike, and until they
+        have, a peer still paused leaves this rank waiting in its wave's all-gather, not deadlocked: any resume
+        frees it."""
+        self.paused = False
+
     def gate(self, method: str) -> Gate:
         """Whether a control call may run now, must wait behind a pause in phase 1, or is refused."""
         if method not in ORDERED_BEHIND_PAUSE:
@@ -199,7 +207,9 @@ class LockstepRank:
         else:
             engine.dummy_step()
         self.steps += 1
-        if self.steps % self.sync_interval:
+        # Also at a wave's first step (as vLLM since #52957): a wave started only to agree on a pause, or by a
+        # request that finished at once, then ends after one step instead of sync_interval dummy steps.
+        if self.steps != 1 and self.steps % self.sync_interval:
             return
         has_work = engine.has_work()
         locally_paused = self.pause_pending and engine.is_paused() and not has_work

@@ -384,14 +384,19 @@ def test_seed_race_deadlocks_with_the_naive_pause() -> None:
 
 def test_wave_numbers_agree_and_stale_notices_are_dropped() -> None:
     sim = Sim(2, 2, random.Random(0))
-    sim.add("a", 1, rank=0)
+    sim.add("a", 3, rank=0)
     sim.read(0)
-    sim.iterate(0)  # rank 0 starts wave 0
+    sim.iterate(0)  # rank 0 starts wave 0 and syncs at its first step
     sim.hear(1)
-    sim.iterate(1)  # rank 1 joins: step 1 of 2, no sync yet
+    sim.iterate(1)  # rank 1 joins: the sync finds work, the wave goes on
+    assert [r.lockstep.running for r in sim.ranks] == [True, True]
+    for _ in range(2):  # steps 2 (a sync: work left) and 3 (the request's last)
+        sim.iterate(0)
+        sim.iterate(1)
+    assert sim.ranks[0].lockstep.running and sim.ranks[1].engine.num_dummy_steps == 3
     sim.iterate(0)
-    sim.iterate(1)  # both synced: no work anywhere, the wave ends on both
-    assert [r.lockstep.wave for r in sim.ranks] == [1, 1]
+    sim.iterate(1)  # step 4 syncs: no work anywhere, the wave ends on both
+    assert [r.lockstep.wave for r in sim.ranks] == [1, 1] and sim.finished == {"a": 1}
     assert not any(r.lockstep.running for r in sim.ranks)
     sim.ranks[1].lockstep.wave_started(0)  # a notice of the ended wave, late
     assert sim.ranks[1].lockstep.idle()
