@@ -7,7 +7,8 @@ wave ends only at a collective decision:
 
 - A rank that gets work while idle starts a wave and tells its peers (`announce(wave)`, vLLM's START_DP_WAVE); a
   peer that hears of its current wave joins it. A notice of an older wave is stale (that wave ended) and dropped.
-- At the first step of a wave and every `sync_interval` steps after, the ranks all-gather their flags (has work,
+- At the first step of a wave and every `sync_interval` steps after (every step while a pause is being agreed:
+  the flags below are the same on every rank, so they switch together), the ranks all-gather their flags (has work,
   locally paused, a pause pending, and the number of pause/resume calls received): the same list on every rank, so
   every rank takes the same decision at the same collective. When none has work and none waits on a pause, the wave
   ends on every rank.
@@ -109,6 +110,7 @@ class LockstepRank:
         self.num_syncs = 0
         self.num_pause_calls = 0  # pause and resume calls received: ranks agree on a pause only at the same count
         self._pause_replies: list[Callable[[], None]] = []  # phase 1: pauses answered at phase 2
+        self._agreeing = False  # the last sync saw a pause pending: every rank syncs at each step until it is agreed
         self._deferred: list[_Deferred] = []
 
     @property
@@ -161,8 +163,8 @@ class LockstepRank:
 
     def refusal(self, method: str) -> str:
         return (
-            f"{method}: data-parallel lockstep: pause the engine first (pause), so that no rank is inside a wave while "
-            "the update's collective needs every rank"
+            f"{method}: data-parallel lockstep: pause the engine first (pause; sleep alone does not stop the ranks' "
+            "waves), so that no rank is inside a wave while the update's collective needs every rank"
         )
 
     def defer(self, method: str, run: Callable[[], None], refuse: Callable[[str], None]) -> None:
@@ -208,8 +210,9 @@ class LockstepRank:
             engine.dummy_step()
         self.steps += 1
         # Also at a wave's first step (as vLLM since #52957): a wave started only to agree on a pause, or by a
-        # request that finished at once, then ends after one step instead of sync_interval dummy steps.
-        if self.steps != 1 and self.steps % self.sync_interval:
+        # request that finished at once, ends after one step instead of sync_interval dummy steps. And at every
+        # step while the last sync saw a pause pending: the pause is agreed as soon as the last rank applies it.
+        if self.steps != 1 and self.steps % self.sync_interval and not self._agreeing:
             return
         has_work = engine.has_work()
         locally_paused = self.pause_pending and engine.is_paused() and not has_work
@@ -218,6 +221,7 @@ class LockstepRank:
 
     def _synced(self, flags: list[SyncFlags]) -> None:
         self.num_syncs += 1
+        self._agreeing = any(pending for _, _, pending, _ in flags)
         if all(paused for _, paused, _, _ in flags) and len({calls for *_, calls in flags}) == 1:
             # phase 2: every rank paused by the same calls, decided on all of them at this same collective
             self.paused = True
@@ -230,6 +234,7 @@ class LockstepRank:
             self._end_wave()
 
     def _end_wave(self) -> None:
+        self._agreeing = False
         self.running = False
         self.wave += 1
         self.steps = 0
