@@ -132,6 +132,25 @@ def test_sessions_and_groups_stay_on_their_rank(dp_server: Server) -> None:
     asyncio.run(go())
 
 
+async def started_streams(
+    http: httpx.AsyncClient, max_tokens: int, first_token: int
+) -> tuple[list[Stream], list[asyncio.Task]]:
+    """Four greedy streams of distinct prompts (spread two per rank by load), once each has its first tokens."""
+    streams = [Stream() for _ in range(4)]
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, "return_token_ids": True, **GREEDY}
+    tasks = [
+        asyncio.create_task(
+            read_stream(http, "/v1/completions", {**body, "prompt": [first_token + i, 7, 7, 7]}, into=stream)
+        )
+        for i, stream in enumerate(streams)
+    ]
+    deadline = time.monotonic() + STREAM_TIMEOUT_S
+    while any(s.tokens_so_far < 2 for s in streams):
+        assert time.monotonic() < deadline and not any(t.done() for t in tasks), "streams did not start"
+        await asyncio.sleep(0.01)
+    return streams, tasks
+
+
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 def test_pause_holds_on_every_rank(dp_server: Server, rl: RLServeClient, mode: str) -> None:
     """Four streams, two per rank: pause returns once every rank has applied the mode; a second pause and a second
@@ -140,18 +159,7 @@ def test_pause_holds_on_every_rank(dp_server: Server, rl: RLServeClient, mode: s
 
     async def go() -> list[Stream]:
         async with dp_server.async_client() as http, rl_async(dp_server) as control:
-            streams = [Stream() for _ in range(4)]
-            body = {"model": MODEL_NAME, "max_tokens": max_tokens, "return_token_ids": True, **GREEDY}
-            tasks = [
-                asyncio.create_task(
-                    read_stream(http, "/v1/completions", {**body, "prompt": [220 + i, 7, 7, 7]}, into=stream)
-                )
-                for i, stream in enumerate(streams)
-            ]
-            deadline = time.monotonic() + STREAM_TIMEOUT_S
-            while any(s.tokens_so_far < 2 for s in streams):
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks), "streams did not start"
-                await asyncio.sleep(0.01)
+            streams, tasks = await started_streams(http, max_tokens, first_token=220)
             await control.pause(mode=mode)
             await control.pause(mode=mode)
             await asyncio.sleep(0.1)  # what the server sent before answering is in the client's buffers
@@ -206,18 +214,7 @@ def test_lockstep_pause_over_http_holds_both_ranks(start_server) -> None:
 
     async def go() -> list[Stream]:
         async with server.async_client() as http, rl_async(server) as control:
-            streams = [Stream() for _ in range(4)]
-            body = {"model": MODEL_NAME, "max_tokens": 60, "return_token_ids": True, **GREEDY}
-            tasks = [
-                asyncio.create_task(
-                    read_stream(http, "/v1/completions", {**body, "prompt": [200 + i, 7, 7, 7]}, into=stream)
-                )
-                for i, stream in enumerate(streams)
-            ]
-            deadline = time.monotonic() + STREAM_TIMEOUT_S
-            while any(s.tokens_so_far < 2 for s in streams):
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks), "streams did not start"
-                await asyncio.sleep(0.01)
+            streams, tasks = await started_streams(http, 60, first_token=200)
             await asyncio.gather(control.pause(mode="keep"), control.pause(mode="keep"))
             await asyncio.sleep(0.1)
             frozen = [s.tokens_so_far for s in streams]
