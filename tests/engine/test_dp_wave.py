@@ -30,6 +30,7 @@ class FakeEngine:
         self.steps_of: dict[str, int] = {}
         self.pause_state = "none"  # "none", "new" (running ones go on), "all"
         self.num_dummy_steps = 0
+        self.num_steps = 0  # real and dummy
 
     def add(self, request_id: str, steps: int) -> None:
         self.waiting.append(request_id)
@@ -54,6 +55,7 @@ class FakeEngine:
         return self.pause_state != "none"
 
     def step(self) -> None:
+        self.num_steps += 1
         if self.pause_state == "none":
             for request_id in self.waiting:
                 self.running[request_id] = self.steps_of[request_id]
@@ -65,6 +67,7 @@ class FakeEngine:
                 self._finish(request_id)
 
     def dummy_step(self) -> None:
+        self.num_steps += 1
         self.num_dummy_steps += 1
 
     def pause(self, mode: str) -> None:
@@ -91,6 +94,7 @@ class SimRank:
     notices: deque = field(default_factory=deque)
     turn: object = None  # the iteration generator, while inside the all-gather
     num_syncs: int = 0  # all-gathers entered
+    steps_at_sync: int = 0  # the engine's steps when it last entered one
     updates: deque = field(default_factory=deque)  # weight-update collectives queued (one at a time)
     num_updates: int = 0  # weight-update collectives completed
 
@@ -102,6 +106,8 @@ class Sim:
         self.added: list[str] = []
         self.calls: list[Call] = []
         self.syncs: dict[int, dict[int, SyncFlags]] = {}  # all-gather index -> rank -> flags
+        self.steps_between: dict[int, dict[int, int]] = {}  # all-gather index -> rank -> its steps since the last
+        self.uneven_steps: list[int] = []  # all-gathers before which the ranks took different numbers of steps
         self.ranks: list[SimRank] = []
         for r in range(size):
             engine = FakeEngine(self.finished)
@@ -194,6 +200,8 @@ class Sim:
             return
         rank.turn = turn
         self.syncs.setdefault(rank.num_syncs, {})[r] = flags
+        self.steps_between.setdefault(rank.num_syncs, {})[r] = rank.engine.num_steps - rank.steps_at_sync
+        rank.steps_at_sync = rank.engine.num_steps
         rank.num_syncs += 1
         self._complete_sync(rank.num_syncs - 1)
 
@@ -203,6 +211,10 @@ class Sim:
             return
         gathered = [entered[r] for r in range(len(self.ranks))]
         del self.syncs[index]
+        # Every rank took as many steps since the last all-gather as the others: were each step a collective too
+        # (expert parallelism's all-to-all), those would pair up as well.
+        if len(set(self.steps_between.pop(index).values())) > 1:
+            self.uneven_steps.append(index)
         for rank in self.ranks:
             turn, rank.turn = rank.turn, None
             with pytest.raises(StopIteration):
@@ -242,6 +254,7 @@ class Sim:
         out += [f"{c.method} unanswered by ranks {set(range(len(self.ranks))) - c.answers.keys()}" for c in self.calls]
         out = [p for p in out if "unanswered by ranks set()" not in p]
         out += [f"request {rid} lost" for rid in self.added if rid not in self.finished]
+        out += [f"all-gather {i}: the ranks took different numbers of steps before it" for i in self.uneven_steps]
         out += [f"request {rid} finished {n} times" for rid, n in self.finished.items() if n != 1]
         return out
 
