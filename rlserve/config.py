@@ -155,6 +155,11 @@ class EngineConfig:
             )
         if self.data_parallel_sync_interval < 1:
             raise ValueError(f"data_parallel_sync_interval must be >= 1, got {self.data_parallel_sync_interval}")
+        if not self.data_parallel_lockstep:
+            lockstep_only = ("data_parallel_sync_interval", "data_parallel_master_ip", "data_parallel_master_port")
+            for f in fields(self):
+                if f.name in lockstep_only and getattr(self, f.name) != f.default:
+                    raise ValueError(f"{f.name}: only used with data_parallel_lockstep (independent ranks never sync)")
         own_gpu = f"cuda:{self.data_parallel_rank}"
         if self.data_parallel_size > 1 and self.device.startswith("cuda:") and self.device != own_gpu:
             raise ValueError(

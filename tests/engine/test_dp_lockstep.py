@@ -17,8 +17,9 @@ import pytest
 from safetensors.torch import load_file
 
 from rlserve import SamplingParams, WeightTransferConfig
+from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_name
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.async_llm import AsyncLLM, start_shared_cores
 from rlserve.engine.dp_lockstep import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
@@ -53,9 +54,15 @@ def test_lockstep_greedy_outputs_equal_one_cores_and_idle_ranks_step(qwen3_dir, 
         llm.shutdown()
 
 
-def test_lockstep_needs_two_ranks(qwen3_dir, make_llm) -> None:
+def test_lockstep_options_are_refused_where_they_would_do_nothing(qwen3_dir) -> None:
     with pytest.raises(ValueError, match="data_parallel_lockstep: needs data_parallel_size > 1"):
-        make_llm(qwen3_dir, data_parallel_lockstep=True)
+        EngineConfig(model=str(qwen3_dir), data_parallel_lockstep=True)
+    with pytest.raises(ValueError, match="data_parallel_sync_interval: only used with data_parallel_lockstep"):
+        EngineConfig(model=str(qwen3_dir), data_parallel_size=2, data_parallel_sync_interval=8)
+    with pytest.raises(ValueError, match="data_parallel_sync_interval must be >= 1"):
+        EngineConfig(model=str(qwen3_dir), **{**LOCKSTEP, "data_parallel_sync_interval": 0})
+    with pytest.raises(ValueError, match="data_parallel_lockstep: needs a single front end"):
+        start_shared_cores(str(qwen3_dir), data_parallel_size=2, data_parallel_lockstep=True)
 
 
 async def _stream(engine: AsyncLLM, prompt: list[int], max_tokens: int, request_id: str, into: dict) -> Any:

@@ -4,7 +4,8 @@ The simulator runs the real `LockstepRank` of every rank over fake engines, with
 happens next: a rank reads one message, hears a wave notice, or runs a loop iteration; a client sends its next call.
 Collectives (the wave's all-gather; a weight update's transfer, which needs every rank) block a rank until every rank
 has entered the same one, as gloo and NCCL do. A schedule deadlocks when nothing can happen any more while a call is
-unanswered, a request unfinished or a rank inside a collective.
+unanswered, a request unfinished or a rank inside a collective. Every schedule also checks that the ranks take the
+same number of steps between two all-gathers, so collectives inside each step (expert parallelism's) would pair up.
 """
 
 from __future__ import annotations
