@@ -64,6 +64,7 @@ class LockstepLink:
             if peer != rank:
                 push = context.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 0)
+                push.setsockopt(zmq.SNDHWM, 0)  # a notice is never dropped: a peer that missed one would not join
                 push.connect(store.get(_NOTICE_KEY.format(peer)).decode())
                 self._peers.append(push)
         self._store = store  # rank 0 serves it for as long as the group lives
