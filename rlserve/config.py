@@ -101,6 +101,20 @@ class EngineConfig:
     # (for_data_parallel_rank), never a flag (vLLM's --data-parallel-rank starts one core of an externally
     # load-balanced deployment, which rlserve does not offer).
     data_parallel_rank: int = field(default=0, metadata={"help": "index of this engine core among the DP ranks"})
+    data_parallel_lockstep: bool = _option(
+        False,
+        "every core steps while any core has work, idle ones running dummy steps (vLLM's DP waves, which expert-"
+        "parallel MoE needs); pause is then agreed by all cores in two phases. Needs data_parallel_size > 1",
+    )
+    data_parallel_sync_interval: int = _option(
+        32, "in lockstep: steps between the cores' checks of whether any has work left (a wave ends at a check)"
+    )
+    data_parallel_master_ip: str = _option(
+        "127.0.0.1", "in lockstep: the address rank 0 serves the cores' rendezvous on (vLLM's --data-parallel-address)"
+    )
+    data_parallel_master_port: int = _option(
+        0, "in lockstep: the port of that rendezvous (0: the front end picks a free one)"
+    )
     revision: str | None = _option(
         None, "branch, tag or commit of a Hugging Face hub model (default: main); ignored for a directory"
     )
@@ -142,6 +156,18 @@ class EngineConfig:
             raise ValueError(
                 f"data_parallel_rank must be in 0..{self.data_parallel_size - 1}, got {self.data_parallel_rank}"
             )
+        if self.data_parallel_lockstep and self.data_parallel_size < 2:
+            # With one core there is no peer to keep in step: the flag would do nothing, so it is refused.
+            raise ValueError(
+                "data_parallel_lockstep: needs data_parallel_size > 1 (one engine core has no peer to step with)"
+            )
+        if self.data_parallel_sync_interval < 1:
+            raise ValueError(f"data_parallel_sync_interval must be >= 1, got {self.data_parallel_sync_interval}")
+        if not self.data_parallel_lockstep:
+            lockstep_only = ("data_parallel_sync_interval", "data_parallel_master_ip", "data_parallel_master_port")
+            for f in fields(self):
+                if f.name in lockstep_only and getattr(self, f.name) != f.default:
+                    raise ValueError(f"{f.name}: only used with data_parallel_lockstep (independent ranks never sync)")
         tp, first_gpu = self.tensor_parallel_size, self.data_parallel_rank * self.tensor_parallel_size
         own_gpus = {f"cuda:{i}" for i in range(first_gpu, first_gpu + tp)}  # its tensor-parallel ranks'
         if self.data_parallel_size > 1 and self.device.startswith("cuda:") and self.device not in own_gpus:

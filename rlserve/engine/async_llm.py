@@ -72,6 +72,13 @@ def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
     shared_cores=[(address, pid), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
     them. Returns once every core serves."""
     config = make_engine_config(model, **kwargs)
+    if config.data_parallel_lockstep:
+        # Lockstep's pause agreement counts the pause/resume calls each rank received, which holds only while one
+        # front end sends every rank the same calls in the same order (dp_wave.py).
+        raise ValueError(
+            "data_parallel_lockstep: needs a single front end (--api-server-count 1): with several, the ranks "
+            "could receive pause and resume calls in different orders"
+        )
     cores: list[CoreProcess] = []
     try:
         for rank in range(config.data_parallel_size):  # started together, waited for together

@@ -91,6 +91,7 @@ class EngineCore:
         self.num_generated_tokens = 0  # counters for metrics
         self.num_prompt_tokens = 0  # of the requests that got their first token (vLLM counts them at prefill)
         self.num_steps = 0
+        self.num_dummy_steps = 0
         self._now = 0.0  # time.monotonic() of the step (or abort) whose outputs are being made
 
     # ---- requests ----
@@ -161,6 +162,13 @@ class EngineCore:
             self._in_flight = None
             raise
         return outputs
+
+    def dummy_step(self) -> None:
+        """A step without requests (data-parallel lockstep: this rank has none, a peer has some). Skipped while the
+        weights or the KV cache are released (asleep): there is nothing to run it on."""
+        if self.runner.weights_resident and self.runner.kv_cache_resident:
+            self.runner.execute_dummy_batch()
+        self.num_dummy_steps += 1
 
     def _launch(self, prev: _InFlightStep | None) -> _InFlightStep | None:
         if self.unwritten_weights:  # requests wait (a keep-pause's included) rather than run on garbage

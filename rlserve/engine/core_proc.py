@@ -30,6 +30,7 @@ import msgspec
 import zmq
 
 from rlserve.config import EngineConfig
+from rlserve.engine.dp_lockstep import LockstepLink, PeerLost
 from rlserve.engine.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
 from rlserve.log import configure_logging
 
@@ -39,6 +40,7 @@ MULTIPROCESSING_ENVS = ("RLSERVE_ENABLE_MULTIPROCESSING", "VLLM_ENABLE_V1_MULTIP
 STARTUP_TIMEOUT_S = 600.0  # loading a large model and sizing its KV cache on a busy machine
 PARENT_CHECK_INTERVAL_S = 0.5
 EXIT_STEP_FAILED = 3  # an engine step raised: its requests were ended, the traceback is in the core's log
+EXIT_PEER_LOST = 4  # data-parallel lockstep: a peer rank left (stopped or died) while this one needed it
 # Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
 # time a fresh interpreter takes, and none inherits the threads of the front end (which fork would copy badly).
 _PRELOAD = ["rlserve.engine.fork_server_preload"]
@@ -120,12 +122,19 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     context = zmq.Context()
+    link = None
+    if startup.config.data_parallel_lockstep:
+        try:  # waits for every rank: they start together
+            link = LockstepLink(startup.config, context)
+        except BaseException as e:
+            ready.send(("error", f"data-parallel lockstep rendezvous failed: {type(e).__name__}: {e}"))
+            raise SystemExit(1) from None
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a front end that left must not block the core
     socket.bind(startup.address)
     codec = Codec()
-    service = EngineCoreService(core, _SocketTransport(socket, codec))
+    service = EngineCoreService(core, _SocketTransport(socket, codec), link)
     # The start-up heap (torch, the model) lives as long as the process, yet every full collection walked it:
     # 0.3-0.4 s stalls of the step loop on an H200, inside pauses and weight syncs. Frozen, collections skip it.
     gc.collect()
@@ -134,20 +143,29 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
     ready.close()
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
+    if link is not None:  # a peer's wave notice wakes the loop as a front end's message does
+        poller.register(link.socket, zmq.POLLIN)
     last_parent_check = time.monotonic()
     try:
         while not shutdown_requested:
             timeout = int(service.input_timeout_s() * 1000)
-            while poller.poll(timeout):
-                client, payload = socket.recv_multipart(copy=True)
-                try:
-                    message = codec.input_decoder.decode(payload)
-                except (msgspec.DecodeError, ValueError):  # a front end's bug must not take the core down
-                    logger.exception("dropped a message the engine core cannot read")
-                else:
-                    service.handle(client, message)
+            while ready_sockets := dict(poller.poll(timeout)):
+                if link is not None and link.socket in ready_sockets:
+                    service.wave.wave_started(link.receive())
+                if socket in ready_sockets:
+                    client, payload = socket.recv_multipart(copy=True)
+                    try:
+                        message = codec.input_decoder.decode(payload)
+                    except (msgspec.DecodeError, ValueError):  # a front end's bug must not take the core down
+                        logger.exception("dropped a message the engine core cannot read")
+                    else:
+                        service.handle(client, message)
                 timeout = 0
-            service.run_once()
+            try:
+                service.run_once()
+            except PeerLost as e:  # in the wave's all-gather: on a shutdown the ranks stop one after another
+                logger.warning("a data-parallel peer left (%s); this engine core exits", e)
+                raise SystemExit(EXIT_PEER_LOST) from None
             if service.failure is not None:
                 raise SystemExit(EXIT_STEP_FAILED)
             now = time.monotonic()
@@ -158,6 +176,8 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
                     break
     finally:
         core.shutdown()
+        if link is not None:
+            link.close()
         socket.close(linger=0)
         context.term()
 
@@ -231,6 +251,8 @@ class CoreProcess:
                 how = f"killed by signal {-code}"
         elif code == EXIT_STEP_FAILED:
             how = "an engine step failed; the traceback is in its log"
+        elif code == EXIT_PEER_LOST:
+            how = "a data-parallel peer it steps in lockstep with was gone"
         elif code == 0:
             return f"the engine-core process (pid {self.process.pid}) was stopped (SIGTERM)"
         else:

@@ -18,6 +18,7 @@ import torch
 
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.core import EngineCore
+from rlserve.engine.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
 from rlserve.engine.messages import (
     SLEEP_MODES,
     AbortRequests,
@@ -29,6 +30,7 @@ from rlserve.engine.messages import (
     UtilityCall,
     UtilityResult,
     decode_token_ids,
+    resolve_pause_mode,
 )
 from rlserve.engine.worker.extension import extension_methods
 
@@ -75,10 +77,49 @@ def unpack_tensors(packed: list[list]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+class Lockstep(Protocol):
+    """The wires between data-parallel ranks in lockstep (dp_lockstep.LockstepLink)."""
+
+    def all_gather(self, flags: SyncFlags) -> list[SyncFlags]: ...
+
+    def announce(self, wave: int) -> None: ...
+
+
+class _LockstepEngine:
+    """The service as the wave protocol sees a rank's engine."""
+
+    def __init__(self, service: EngineCoreService) -> None:
+        self.service = service
+
+    def has_work(self) -> bool:
+        return self.service.core.has_work()
+
+    def is_paused(self) -> bool:
+        return self.service.core.is_paused()
+
+    def step(self) -> None:
+        self.service.step()
+
+    def dummy_step(self) -> None:
+        self.service.core.dummy_step()
+
+
 class EngineCoreService:
-    def __init__(self, core: EngineCore, transport: Transport) -> None:
+    def __init__(self, core: EngineCore, transport: Transport, lockstep: Lockstep | None = None) -> None:
+        """`lockstep`: this core is one rank of a data-parallel group in lockstep (dp_wave.py)."""
         self.core = core
         self.transport = transport
+        self.wave: LockstepRank | None = None
+        if lockstep is not None:
+            config = core.config
+            self.wave = LockstepRank(
+                config.data_parallel_rank,
+                config.data_parallel_size,
+                config.data_parallel_sync_interval,
+                _LockstepEngine(self),
+                lockstep.announce,
+            )
+            self._all_gather = lockstep.all_gather
         self.owners: dict[str, ClientId] = {}  # request id -> the front end its outputs go to
         self.wait_pauses: list[_WaitPause] = []
         # Control calls that block on a peer (the weight-transfer rendezvous) run on threads; their results come
@@ -95,7 +136,7 @@ class EngineCoreService:
         """How long the loop may wait for a message before its next run_once: not at all while the core has work,
         briefly while a wait-pause or a call on a thread is pending, else until the idle timeout (the loop also
         watches for shutdown)."""
-        if self.core.has_work():
+        if self.core.has_work() or (self.wave is not None and not self.wave.idle()):
             return 0.0
         if self.wait_pauses or self.num_background:
             return BACKGROUND_POLL_S
@@ -130,17 +171,12 @@ class EngineCoreService:
 
     def run_once(self) -> None:
         """One step if there is work, then whatever the step made possible (finished wait-pauses, background
-        results)."""
-        if self.core.has_work() and self.failure is None:
-            try:
-                outputs = self.core.step()
-            except BaseException as e:
-                # The callers get the failure (EngineDeadError from their client), not an ordinary-looking abort.
-                logger.exception("engine step failed")
-                self.failure = e
-                self.core.abort_requests(list(self.core.requests))
-                return
-            self._route(outputs)
+        results). In lockstep the wave protocol decides whether to step (a dummy step too) and when."""
+        if self.wave is not None:
+            if self.failure is None:
+                run_iteration(self.wave, self._all_gather)
+        elif self.core.has_work():
+            self.step()
         if self.wait_pauses and self.core.num_in_flight == 0:
             self._end_wait_pauses(clear_cache=True)
         while self.num_background:
@@ -150,6 +186,19 @@ class EngineCoreService:
                 break
             self.num_background -= 1
             self.transport.send_result(client, result)
+
+    def step(self) -> None:
+        if self.failure is not None:
+            return
+        try:
+            outputs = self.core.step()
+        except BaseException as e:
+            # The callers get the failure (EngineDeadError from their client), not an ordinary-looking abort.
+            logger.exception("engine step failed")
+            self.failure = e
+            self.core.abort_requests(list(self.core.requests))
+            return
+        self._route(outputs)
 
     def _add(self, client: ClientId, message: AddRequest) -> None:
         if self.failure is not None:
@@ -198,15 +247,35 @@ class EngineCoreService:
         if call.method in _BACKGROUND_METHODS:
             self._call_in_background(client, call, method)
             return
+        gate = Gate.RUN if self.wave is None else self.wave.gate(call.method)
+        if gate is Gate.DEFER:  # behind a pause that is not agreed yet: runs (or is refused) when it is
+            self.wave.defer(
+                call.method,
+                lambda: self._call_now(client, call, method),
+                lambda why: self.transport.send_result(client, error_result(call.call_id, RuntimeError(why))),
+            )
+        elif gate is Gate.REFUSE:
+            error = RuntimeError(self.wave.refusal(call.method))
+            self.transport.send_result(client, error_result(call.call_id, error))
+        else:
+            self._call_now(client, call, method)
+
+    def _call_now(self, client: ClientId, call: UtilityCall, method: Callable) -> None:
         try:
             value = method(self, client, call, *call.args)
         except BaseException as e:
+            self._pause_lifted()
             self._publish_status()
             self.transport.send_result(client, error_result(call.call_id, e))
             return
+        self._pause_lifted()
         self._publish_status()
         if value is not _DEFERRED:
             self.transport.send_result(client, UtilityResult(call.call_id, value))
+
+    def _pause_lifted(self) -> None:
+        if self.wave is not None and self.wave.paused and not self.core.is_paused():
+            self.wave.pause_lifted()
 
     def _call_in_background(self, client: ClientId, call: UtilityCall, method: Callable) -> None:
         def run() -> None:
@@ -228,6 +297,8 @@ class EngineCoreService:
             self.transport.send_result(p.client, UtilityResult(p.call_id, None))
 
     def pause(self, client: ClientId, call: UtilityCall, mode: str, clear_cache: bool) -> Any:
+        if self.wave is not None:
+            return self._lockstep_pause(client, call, resolve_pause_mode(mode), clear_cache)
         if mode == "wait":  # any other mode, a bad one included, is the core's to apply or refuse
             self.core.pause("wait", clear_cache=False)
             self.wait_pauses.append(_WaitPause(client, call.call_id, clear_cache))
@@ -235,8 +306,24 @@ class EngineCoreService:
         self._route(self.core.pause(mode, clear_cache))  # abort: the streams end before the pause returns
         return None
 
+    def _lockstep_pause(self, client: ClientId, call: UtilityCall, mode: str, clear_cache: bool) -> Any:
+        """Phase 1: the mode applies here at once; the call is answered when every rank is paused (phase 2), or
+        by a resume that comes first (it then clears nothing)."""
+        self._route(self.core.pause(mode, clear_cache and mode != "wait"))
+
+        def reply() -> None:
+            if mode == "wait" and clear_cache and self.wave.paused:
+                self.core.clear_cache()
+            self.transport.send_result(client, UtilityResult(call.call_id, None))
+
+        self.wave.pause(reply)
+        return _DEFERRED
+
     def resume(self, client: ClientId, call: UtilityCall) -> None:
         self.core.resume()
+        if self.wave is not None:
+            self.wave.resume()
+            return
         # A pause(mode="wait") still waiting for its requests is over: it returns now rather than when the traffic
         # admitted after this resume happens to drain, which under steady load is never.
         self._end_wait_pauses(clear_cache=False)
@@ -287,6 +374,7 @@ class EngineCoreService:
             num_prompt_tokens=core.num_prompt_tokens,
             num_generated_tokens=core.num_generated_tokens,
             num_preemptions=core.scheduler.num_preemptions,
+            num_dummy_steps=core.num_dummy_steps,
             kv_cache_usage=core.kv_cache.usage,
             kv_cache_free_blocks=core.kv_cache.num_free_blocks,
             kv_cache_blocks=core.kv_cache.num_blocks,

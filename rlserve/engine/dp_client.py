@@ -13,8 +13,10 @@ cores serve them:
   disagreement raised.
 
 Without lockstep the ranks never wait on each other: no rank runs a collective with another (only with the trainer,
-which every rank joins as soon as it reads the call), so a fanned-out call cannot deadlock. Lockstep (MoE, later)
-adds the cross-rank collectives and with them vLLM's wave protocol and two-phase pause.
+which every rank joins as soon as it reads the call), so a fanned-out call cannot deadlock. With
+`data_parallel_lockstep` the ranks step together in waves and pause in two phases (dp_wave.py); that protocol relies
+on what the fan-out here gives it: every rank receives the same calls in the same order, so a resume returns when
+every rank has resumed (the barrier), and the ranks agree on which pause they are in.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import zmq
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import LIVENESS_INTERVAL_S, AsyncMPClient, EngineDeadError, MPClient, raise_for
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, UtilityResult
 
 logger = logging.getLogger(__name__)
@@ -195,6 +199,8 @@ class _DPClientBase:
 
     def __init__(self, config: EngineConfig, make_rank: Callable[[EngineConfig], Any]) -> None:
         self.router = DPRouter(config.data_parallel_size)
+        if config.data_parallel_lockstep and config.data_parallel_master_port == 0:
+            config = replace(config, data_parallel_master_port=free_port(config.data_parallel_master_ip))
         self.ranks: list[Any] = []
         try:
             for rank in range(config.data_parallel_size):  # every core starts now, in parallel; connect waits

@@ -8,7 +8,6 @@ import ctypes
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,11 @@ from types import TracebackType
 import httpx
 
 from rlserve.engine.args import engine_flags
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.rl.client import AsyncRLServeClient
 
 ENGINE_START_TIMEOUT_S = 300.0
 HTTP_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop_with_parent() -> None:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from rlserve.dtypes import dtype_name
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.rl.client import AsyncRLServeClient
-from rlserve.rl.engine_server import EngineServer, free_port
+from rlserve.rl.engine_server import EngineServer
 from rlserve.weight_transfer import (
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,

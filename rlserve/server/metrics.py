@@ -32,7 +32,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from rlserve.engine.async_llm import AsyncLLM
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-# vLLM labels its engine series with the model and the engine index; rlserve has one engine core.
+# vLLM labels its engine series with the model and the engine index: per data-parallel rank for the engine cores'
+# series; the per-request series of a front end are engine "0".
 ENGINE_INDEX = "0"
 ENGINE_LABELS = ("model_name", "engine")
 
@@ -55,50 +56,65 @@ RL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 class _EngineCollector:
     """Reports the engine core's state as of the last `update` (the core lives in another process: reading it is an
     async call, and prometheus collects synchronously). Counters are the core's counts since start, so they are
-    monotonic whoever scrapes and however often."""
+    monotonic whoever scrapes and however often. With data parallel each rank is a sample of its own, labelled
+    engine="<rank>" as vLLM labels its engine cores (a dashboard sums them); one core is engine="0"."""
 
     def __init__(self, model_name: str) -> None:
         self.stats: dict[str, Any] | None = None
-        self.label_values = [model_name, ENGINE_INDEX]
+        self.model_name = model_name
 
-    def _family(self, kind: type, name: str, doc: str, value: float) -> Metric:
+    def _family(self, kind: type, name: str, doc: str, ranks: list[dict[str, Any]], key: str) -> Metric:
         metric = kind(name, doc, labels=ENGINE_LABELS)
-        metric.add_metric(self.label_values, value)
+        for rank, stats in enumerate(ranks):
+            metric.add_metric([self.model_name, str(rank)], float(stats[key]))
         return metric
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
         if stats is None:
             return
+        ranks = stats.get("data_parallel") or [stats]
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(gauge, "vllm:num_requests_running", "Requests in the running batch.", stats["num_running"])
-        yield self._family(gauge, "vllm:num_requests_waiting", "Requests waiting to run.", stats["num_waiting"])
-        usage = stats["kv_cache_usage"]
-        yield self._family(gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", usage)
-        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-        yield self._family(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in prefix cache.", queries)
-        yield self._family(counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
-        prompt, generation = stats["num_prompt_tokens"], stats["num_generated_tokens"]
-        yield self._family(counter, "vllm:prompt_tokens", "Prefill tokens processed.", prompt)
-        yield self._family(counter, "vllm:generation_tokens", "Generation tokens processed.", generation)
-        preemptions = stats["num_preemptions"]
-        yield self._family(counter, "vllm:num_preemptions", "Preemptions of running requests.", preemptions)
+        for kind, name, doc, key in (
+            (gauge, "vllm:num_requests_running", "Requests in the running batch.", "num_running"),
+            (gauge, "vllm:num_requests_waiting", "Requests waiting to run.", "num_waiting"),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", "kv_cache_usage"),
+            (counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in prefix cache.", "prefix_cache_queries"),
+            (counter, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            (counter, "vllm:prompt_tokens", "Prefill tokens processed.", "num_prompt_tokens"),
+            (counter, "vllm:generation_tokens", "Generation tokens processed.", "num_generated_tokens"),
+            (counter, "vllm:num_preemptions", "Preemptions of running requests.", "num_preemptions"),
+            (gauge, "rlserve_is_paused", "1 while generation is paused.", "is_paused"),
+            (
+                counter,
+                "rlserve_dummy_steps",
+                "Steps run without requests to keep data-parallel ranks in lockstep.",
+                "num_dummy_steps",
+            ),
+        ):
+            yield self._family(kind, name, doc, ranks, key)
         # vLLM's info series is a gauge at 1 whose labels are the cache config and the engine (no model_name).
-        config = {name: str(value) for name, value in stats["cache_config"].items()} | {"engine": ENGINE_INDEX}
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config.", labels=config)
-        info.add_metric(list(config.values()), 1.0)
+        configs = [
+            {name: str(value) for name, value in rank_stats["cache_config"].items()} | {"engine": str(rank)}
+            for rank, rank_stats in enumerate(ranks)
+        ]
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the engine's cache config.", labels=configs[0]
+        )
+        for config in configs:
+            info.add_metric(list(config.values()), 1.0)
         yield info
-        yield self._family(gauge, "rlserve_is_paused", "1 while generation is paused.", float(stats["is_paused"]))
-        incomplete = float(stats["num_unwritten_weights"] > 0)
-        yield self._family(
-            gauge,
+        incomplete = GaugeMetricFamily(
             "rlserve_weights_incomplete",
             "1 while generation is refused because weights are missing (sleep level 2, an abandoned update) until an "
             "update writes them.",
-            incomplete,
+            labels=ENGINE_LABELS,
         )
         version = InfoMetricFamily("rlserve_weight_version", "The weight version now served.", labels=ENGINE_LABELS)
-        version.add_metric(self.label_values, {"weight_version": stats["weight_version"]})
+        for rank, rank_stats in enumerate(ranks):
+            incomplete.add_metric([self.model_name, str(rank)], float(rank_stats["num_unwritten_weights"] > 0))
+            version.add_metric([self.model_name, str(rank)], {"weight_version": rank_stats["weight_version"]})
+        yield incomplete
         yield version
 
 

@@ -195,10 +195,16 @@ def test_weight_updates_reach_every_rank_or_none(tp2, reference, model_dirs, qwe
 
 
 def test_tensor_parallel_within_data_parallel_batch_invariant(model_dirs, make_llm, reference) -> None:
-    """TP=2 x DP=2 in batch-invariant mode: the TP=1 engine's tokens, and a request's bits alike alone, in a batch of
-    others and run again."""
+    """TP=2 x DP=2 in lockstep and batch-invariant mode: the TP=1 engine's tokens, and a request's bits alike alone,
+    in a batch of others and run again. A lone request's idle core runs dummy steps on both its ranks (rank 0's
+    all-reduces would wait forever for a rank that skipped them)."""
     llm = make_llm(
-        model_dirs["llama"], tensor_parallel_size=2, data_parallel_size=2, dtype="float32", batch_invariant=True
+        model_dirs["llama"],
+        tensor_parallel_size=2,
+        data_parallel_size=2,
+        data_parallel_lockstep=True,
+        dtype="float32",
+        batch_invariant=True,
     )
     try:
         assert (llm.get_world_size(), llm.get_world_size(include_dp=False)) == (4, 2)
@@ -208,6 +214,7 @@ def test_tensor_parallel_within_data_parallel_batch_invariant(model_dirs, make_l
         for out in [*many[::2], *llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)]:
             assert out.outputs[0].token_ids == alone[0].outputs[0].token_ids
             assert out.outputs[0].logprobs == alone[0].outputs[0].logprobs  # the same bits
+        assert llm.stats()["num_dummy_steps"] > 0
     finally:
         llm.shutdown()
 

@@ -3,8 +3,9 @@
 Outputs equal one core's; a session (`X-Session-ID`) and a GRPO group (separate requests, one prompt) stay on their
 rank even when the other rank is less loaded, which the prefix cache shows (`cached_tokens`); pause in every mode
 holds on both ranks with no request lost or duplicated; one trainer broadcast (gloo) updates both ranks; SIGTERM
-leaves no process behind, also with several API servers. The DP server is shared by the module; the weight update
-and the stop come last.
+leaves no process behind, also with several API servers; /metrics labels each rank's series with its engine index.
+In lockstep (`--data-parallel-lockstep`) the same HTTP pause holds both ranks, and each rank reports its dummy steps.
+The DP server is shared by the module; the weight update and the stop come last.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 import pytest
 from conftest import _serve, rl_client
 from process_tree import descendants, engine_core_pids, survivors
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file
 from server_helpers import API_KEY, BLOCK_SIZE, HTTP_TIMEOUT_S, MODEL_NAME, Server, Stream, free_port, read_stream
 
@@ -130,6 +132,25 @@ def test_sessions_and_groups_stay_on_their_rank(dp_server: Server) -> None:
     asyncio.run(go())
 
 
+async def started_streams(
+    http: httpx.AsyncClient, max_tokens: int, first_token: int
+) -> tuple[list[Stream], list[asyncio.Task]]:
+    """Four greedy streams of distinct prompts (spread two per rank by load), once each has its first tokens."""
+    streams = [Stream() for _ in range(4)]
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, "return_token_ids": True, **GREEDY}
+    tasks = [
+        asyncio.create_task(
+            read_stream(http, "/v1/completions", {**body, "prompt": [first_token + i, 7, 7, 7]}, into=stream)
+        )
+        for i, stream in enumerate(streams)
+    ]
+    deadline = time.monotonic() + STREAM_TIMEOUT_S
+    while any(s.tokens_so_far < 2 for s in streams):
+        assert time.monotonic() < deadline and not any(t.done() for t in tasks), "streams did not start"
+        await asyncio.sleep(0.01)
+    return streams, tasks
+
+
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 def test_pause_holds_on_every_rank(dp_server: Server, rl: RLServeClient, mode: str) -> None:
     """Four streams, two per rank: pause returns once every rank has applied the mode; a second pause and a second
@@ -138,18 +159,7 @@ def test_pause_holds_on_every_rank(dp_server: Server, rl: RLServeClient, mode: s
 
     async def go() -> list[Stream]:
         async with dp_server.async_client() as http, rl_async(dp_server) as control:
-            streams = [Stream() for _ in range(4)]
-            body = {"model": MODEL_NAME, "max_tokens": max_tokens, "return_token_ids": True, **GREEDY}
-            tasks = [
-                asyncio.create_task(
-                    read_stream(http, "/v1/completions", {**body, "prompt": [220 + i, 7, 7, 7]}, into=stream)
-                )
-                for i, stream in enumerate(streams)
-            ]
-            deadline = time.monotonic() + STREAM_TIMEOUT_S
-            while any(s.tokens_so_far < 2 for s in streams):
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks), "streams did not start"
-                await asyncio.sleep(0.01)
+            streams, tasks = await started_streams(http, max_tokens, first_token=220)
             await control.pause(mode=mode)
             await control.pause(mode=mode)
             await asyncio.sleep(0.1)  # what the server sent before answering is in the client's buffers
@@ -176,6 +186,50 @@ def test_pause_holds_on_every_rank(dp_server: Server, rl: RLServeClient, mode: s
         else:
             assert choice.finish_reasons == ["length"] and choice.num_tokens == max_tokens
             assert len(choice.token_ids) == max_tokens
+
+
+def per_rank(server: Server, name: str) -> dict[str, float]:
+    """A /metrics series' value for each engine label (each data-parallel rank)."""
+    text = httpx.get(server.url + "/metrics", timeout=HTTP_TIMEOUT_S).text
+    return {
+        sample.labels["engine"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+def test_metrics_label_each_rank(dp_server: Server) -> None:
+    served_tokens(dp_server)
+    generated = per_rank(dp_server, "vllm:generation_tokens_total")
+    assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())  # PROMPTS spread over both
+    assert set(per_rank(dp_server, "vllm:cache_config_info")) == {"0", "1"}
+    assert per_rank(dp_server, "rlserve_dummy_steps_total") == {"0": 0, "1": 0}  # independent ranks never step idle
+
+
+def test_lockstep_pause_over_http_holds_both_ranks(start_server) -> None:
+    server = start_server(
+        "-dp", "2", "--enable-rl-api", "--data-parallel-lockstep", "--data-parallel-sync-interval", "4"
+    )
+
+    async def go() -> list[Stream]:
+        async with server.async_client() as http, rl_async(server) as control:
+            streams, tasks = await started_streams(http, 60, first_token=200)
+            await asyncio.gather(control.pause(mode="keep"), control.pause(mode="keep"))
+            await asyncio.sleep(0.1)
+            frozen = [s.tokens_so_far for s in streams]
+            await asyncio.sleep(0.5)
+            assert [s.tokens_so_far for s in streams] == frozen and await control.is_paused()
+            await asyncio.gather(control.resume(), control.resume())
+            await asyncio.wait_for(asyncio.gather(*tasks), STREAM_TIMEOUT_S)
+            return streams
+
+    for stream in asyncio.run(go()):
+        assert stream.done_markers == 1 and stream.only.finish_reasons == ["length"]
+        assert len(stream.only.token_ids) == 60
+    # Agreeing on the pause took steps without requests on both ranks (a wave of dummy steps around the pause).
+    assert set(per_rank(server, "rlserve_dummy_steps_total")) == {"0", "1"}
+    assert sum(per_rank(server, "rlserve_dummy_steps_total").values()) > 0
 
 
 def test_one_broadcast_updates_both_ranks(dp_server: Server, rl: RLServeClient, tmp_path: Path) -> None:

@@ -284,6 +284,17 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         del caches, hidden
 
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """vLLM's: a one-token forward whose result is thrown away and which stores no KV (slot -1): the step of a
+        data-parallel rank with no requests while its peers have some (lockstep), so that the collectives inside a
+        step (expert parallelism's) find every rank."""
+        meta = self._dummy_sequence_meta(1, context_len=1)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        # The other tensor-parallel ranks take the same step: the decoder's all-reduces need every rank.
+        with self.on_device(), self.mirrored("execute_dummy_batch"):
+            self.model(ids, ids, ForwardContext(meta, self.kv_caches, self.backend))
+
     # ---- one step ----
 
     def _host_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:

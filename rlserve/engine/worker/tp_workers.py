@@ -192,6 +192,7 @@ class _Follower:
 
     calls = {
         "release_kv_cache": lambda self: self.runner.release_kv_cache(),
+        "execute_dummy_batch": lambda self: self.runner.execute_dummy_batch(),
         "release_weights": lambda self, keep: self.runner.release_weights(keep),
         "restore": lambda self, weights, kv_cache: self.runner.restore(weights, kv_cache),
         "receive_broadcast_weights": lambda self, metas: self.runner.receive_broadcast_weights(metas),
