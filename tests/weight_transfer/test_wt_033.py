@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import rlserve
 from rlserve import LLM, SamplingParams
 from rlserve.config import WeightTransferConfig
 from rlserve.distributed.weight_transfer import (
@@ -288,7 +289,9 @@ def test_trainer_engine_updates_an_llm_ray_actor(checkpoints: tuple[Path, Path])
     # address="local": a cluster of its own, never one another process left running on this machine.
     ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        env = {"RLSERVE_ENABLE_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ["PYTHONPATH"]}
+        # The actor imports rlserve from this checkout, whether or not it is installed.
+        path = os.pathsep.join(filter(None, [str(Path(rlserve.__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+        env = {"RLSERVE_ENABLE_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         actor = (
             ray.remote(LLM)
             .options(runtime_env={"env_vars": env})
