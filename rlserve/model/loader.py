@@ -12,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlserve.dtypes import TORCH_DTYPES
 from rlserve.model.layers import RotaryEmbedding
-from rlserve.model.models import SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
+from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:
@@ -61,7 +61,7 @@ def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device)
     spec = spec_from_hf_config(cfg)
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
     with torch.device("meta"):
-        model = DecoderForCausalLM(spec, rotary)
+        model = MODEL_CLASSES[spec.architecture](spec, rotary)
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():

@@ -1,7 +1,15 @@
-"""Supported architectures. Llama, Qwen2 and Qwen3 are one decoder with different switches."""
+"""Supported architectures. Llama, Qwen2 and Qwen3 are one decoder with different switches; Qwen3-MoE is that decoder
+with sparse MoE layers."""
 
 from rlserve.model.models.llama import DecoderForCausalLM, DecoderSpec, spec_from_hf_config
+from rlserve.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": DecoderForCausalLM,
+    "Qwen2ForCausalLM": DecoderForCausalLM,
+    "Qwen3ForCausalLM": DecoderForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderForCausalLM", "DecoderSpec", "spec_from_hf_config"]
+__all__ = ["MODEL_CLASSES", "SUPPORTED_ARCHITECTURES", "DecoderForCausalLM", "DecoderSpec", "spec_from_hf_config"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +11,7 @@ from torch import nn
 from rlserve.model import batch_invariant
 from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
 from rlserve.model.layers import FusedLinear, Linear, RMSNorm, RotaryEmbedding, norm_and_rotate_qk, silu_and_mul
+from rlserve.model.moe import MoESpec, moe_spec_from_hf_config
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class DecoderSpec:
     o_bias: bool  # Llama with attention_bias
     mlp_bias: bool
     qk_norm: bool  # Qwen3
+    moe: MoESpec | None = None  # Qwen3-MoE: the sparse layers' experts (rlserve.model.models.qwen3_moe)
 
 
 def spec_from_hf_config(cfg) -> DecoderSpec:
@@ -61,7 +63,8 @@ def spec_from_hf_config(cfg) -> DecoderSpec:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        moe=moe_spec_from_hf_config(cfg) if arch == "Qwen3MoeForCausalLM" else None,
     )
 
 
@@ -72,6 +75,10 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: AttentionBackend
+    # MoE layers only: where to record each token's routed experts ([>= tokens, layers, top_k]), and experts to
+    # route each token to instead of the router's choice ([tokens, layers, top_k]; -1: the router's). See moe.py.
+    routed_experts: torch.Tensor | None = None
+    replay_experts: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -110,17 +117,18 @@ class MLP(nn.Module):
         self.gate_up_proj = FusedLinear(spec.hidden_size, {"gate_proj": size, "up_proj": size}, spec.mlp_bias)
         self.down_proj = Linear(size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # ctx: the signature of every MLP of a decoder layer (a MoE one reads its routing fields); unused here.
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = mlp
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -136,18 +144,18 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, ctx), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         # Given its weight, nn.Embedding skips its random init: on the meta device that init (normal_) imports
         # torch._dynamo, seconds of an engine's start-up, for values the checkpoint overwrites anyway.
         self.embed_tokens = nn.Embedding(
             spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, make_mlp(i)) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -172,7 +180,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec, rotary)
+        self.model = DecoderModel(spec, rotary, self.make_mlp)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -182,6 +190,10 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
+        return MLP(self.spec)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Compute every projection and the LM head with the batch-invariant matmul (rlserve.model.batch_invariant)."""
