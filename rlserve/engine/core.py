@@ -125,6 +125,7 @@ class EngineCore:
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.routed_experts = self.runner.take_routed_experts(request)  # before its blocks are freed
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
         del self.requests[request.request_id]
@@ -247,6 +248,7 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             timestamp=self._now,
             first_token=first_token,
+            routed_experts=request.routed_experts if finished else None,
         )
 
     # ---- pause / resume ----

@@ -6,6 +6,7 @@ import enum
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -57,6 +58,8 @@ class Request:
     held_token_ids: list[int] = field(default_factory=list)
     held_logprobs: list = field(default_factory=list)
     held_weight_version: str | None = None
+    # The experts routed for its tokens, taken when it finishes (EngineConfig.enable_return_routed_experts).
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
@@ -16,9 +17,11 @@ from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
 from rlserve.engine.worker.logits_inputs import build_logits_adjustments
+from rlserve.engine.worker.routed_experts import RoutedExpertsRecorder
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
+from rlserve.model.moe import routed_experts_dtype
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from rlserve.outputs import PositionLogprobsData
 
@@ -47,6 +50,8 @@ class LaunchedStep:
     host_token_ids: torch.Tensor  # the same, being copied to (pinned) host memory
     host_logprobs: LogprobsTensors | None
     host_prompt_logprobs: LogprobsTensors | None
+    # With routed experts returned: the step's rows (host copy), each input token's slot, (request id, end) pairs.
+    host_routed: tuple[torch.Tensor, list[int], list[tuple[str, int]]] | None = None
     done: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU, where work is synchronous
 
 
@@ -115,6 +120,7 @@ class ModelRunner:
         # Every checkpoint tensor the model has: what a full weight update writes.
         self.weight_names = frozenset(name for name, _ in self.model.checkpoint_weights())
         self._allocate_kv_cache()
+        self.routed_experts = self._make_routed_experts_recorder(config)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
@@ -143,6 +149,28 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
 
+    def _make_routed_experts_recorder(self, config: EngineConfig) -> RoutedExpertsRecorder | None:
+        if not config.enable_return_routed_experts:
+            return None
+        moe = self.spec.moe
+        if moe is None:
+            raise ValueError(
+                f"enable_return_routed_experts: {self.spec.architecture} has no routed experts (not a MoE model)"
+            )
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        return RoutedExpertsRecorder(
+            self.num_blocks * self.block_size,
+            self.spec.num_layers,
+            moe.top_k,
+            routed_experts_dtype(moe.num_experts),
+            max_tokens,
+            self.device,
+        )
+
+    @property
+    def _routed_rows(self) -> torch.Tensor | None:
+        return None if self.routed_experts is None else self.routed_experts.device_rows
+
     def _capture_graphs(self) -> None:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(
@@ -153,6 +181,7 @@ class ModelRunner:
                 self.max_blocks_per_seq,
                 self.max_model_len,
                 self.device,
+                self._routed_rows,
             )
 
     @torch.inference_mode()
@@ -268,6 +297,8 @@ class ModelRunner:
         """Wait for a launched step and return its tokens and logprobs as host values."""
         if step.done is not None:
             step.done.synchronize()
+        if step.host_routed is not None:
+            self.routed_experts.record(*step.host_routed)
         sampled: list[int | None] = [None] * len(step.scheduled)
         logprobs: list[PositionLogprobsData | None] = [None] * len(step.scheduled)
         for i, token in zip(step.sample_rows, step.host_token_ids.tolist(), strict=True):
@@ -306,11 +337,23 @@ class ModelRunner:
             host_token_ids=self._to_host(sampled_token_ids),
             host_logprobs=None if logprobs is None else self._copy_to_host(logprobs),
             host_prompt_logprobs=None if prompt_logprobs is None else self._copy_to_host(prompt_logprobs),
+            host_routed=self._copy_routed_experts(scheduled, inputs),
         )
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
         return step
+
+    def _copy_routed_experts(
+        self, scheduled: list[ScheduledRequest], inputs: _StepInputs
+    ) -> tuple[torch.Tensor, list[int], list[tuple[str, int]]] | None:
+        """Start copying this step's routed experts back (on the CPU a copy: the next step reuses the buffer)."""
+        if self.routed_experts is None:
+            return None
+        rows = self.routed_experts.device_rows[: len(inputs.input_ids)]
+        host = rows.clone() if self.staging is None else self.staging.to_host(rows)
+        ends = [(item.request.request_id, end) for item, end in zip(scheduled, inputs.seq_lens, strict=True)]
+        return host, inputs.slot_mapping, ends
 
     def _gather_inputs(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> _StepInputs:
         """One pass over the scheduled requests into flat host lists (a loop per list cost more at batch 1024)."""
@@ -404,7 +447,7 @@ class ModelRunner:
             query_lens_cpu=inputs.query_lens,
             seq_lens_cpu=inputs.seq_lens,
         )
-        return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
+        return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend, self._routed_rows))
 
     def _sample(
         self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs, prev: LaunchedStep | None
@@ -438,6 +481,14 @@ class ModelRunner:
         """Forget a finished request's host-side state."""
         self.block_table_buffer.release(request_id)
         self._adjusting_logits.discard(request_id)
+        if self.routed_experts is not None:
+            self.routed_experts.forget(request_id)
+
+    def take_routed_experts(self, request: Request) -> np.ndarray | None:
+        """The experts routed for `request`'s tokens (see RoutedExpertsRecorder.take), or None when not recorded."""
+        if self.routed_experts is None:
+            return None
+        return self.routed_experts.take(request, self.block_size)
 
     def _sampling_metadata(self, requests: list[Request], prev: LaunchedStep | None) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
