@@ -192,3 +192,18 @@ def test_cli_prints_the_table(tmp_path: Path) -> None:
     assert verdicts["batch_invariant"] == ("=0", "yes") and verdicts["lm_head/bf16"] == ("?", "-")
     assert set(json.loads(out.read_text())["results"]) == expected
     assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
+def test_moe_replay_removes_the_routing_mismatch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A bf16 MoE engine against rlserve's fp32 forward: routing flips by the roundings give large per-token gaps,
+    which replaying the engine's routed experts removes (what is left is bf16 rounding)."""
+    model_dir = make_peaked_model_dir(tmp_path_factory.mktemp("parity-moe") / "tiny-moe", preset="tiny-moe", seed=7)
+    moe_prompts = random_prompts(model_dir, 4, PROMPT_LEN, seed=3)
+    results = run_parity(model_dir, moe_prompts, scenarios=["moe_replay"], max_tokens=16, temperature=0.7)
+    off, on = results["moe_replay/off"], results["moe_replay/on"]
+    assert off.num_tokens == on.num_tokens == 4 * 16
+    assert on.max_abs_diff < off.max_abs_diff / 2 and on.k3_kl < off.k3_kl / 2, (on, off)
+    assert off.max_abs_diff > 0.1 and on.max_abs_diff < 0.1, (on, off)
+    with pytest.raises(ValueError, match="moe_replay needs a MoE model"):
+        run_parity(make_peaked_model_dir(tmp_path_factory.mktemp("dense") / "tiny", preset="tiny"), moe_prompts,
+                   scenarios=["moe_replay"])  # fmt: skip
