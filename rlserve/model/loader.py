@@ -83,9 +83,7 @@ def load_model(
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):
         if model.load_weights([(name, tensor)]):
-            loaded.add(
-                "model.embed_tokens.weight" if name == "lm_head.weight" and model.spec.tie_word_embeddings else name
-            )
+            loaded.update(model.written_names(name))
     missing = names - loaded
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir!r} lacks weights {sorted(missing)[:5]}")

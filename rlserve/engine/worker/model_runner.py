@@ -588,7 +588,7 @@ class ModelRunner:
 
     def checkpoint_names(self, names) -> set[str]:
         """The entries of `weight_names` that checkpoint tensors `names` write."""
-        return {key for key in map(self.model.checkpoint_name, names) if key is not None}
+        return {key for name in names for key in self.model.written_names(name)}
 
     def snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters, written into `into` (the previous snapshot's buffers) when given: a copy

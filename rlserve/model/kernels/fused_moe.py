@@ -4,9 +4,9 @@
    of BLOCK_M, so a block of BLOCK_M sorted rows belongs to one expert (vLLM's moe_align_block_size). Done with torch
    ops on the device and sized by the worst case: no host sync, the same shapes for a given number of tokens, so a
    decode step is CUDA-graph capturable.
-2. `_gate_up_kernel`: per block of sorted rows and block of the intermediate dimension, the gate and the up
-   projection of the block's expert (w13 [E, 2I, H]) in two accumulators, then SiLU(gate) * up, stored per (token, k).
-3. `_down_kernel`: per block of sorted rows, the down projection of the block's expert (w2 [E, H, I]), per (token, k).
+2. `_expert_gemm_kernel`, gated: per block of sorted rows and block of the intermediate dimension, the gate and the
+   up projection of the block's expert (w13 [E, 2I, H]) in two accumulators, then SiLU(gate) * up, per (token, k).
+3. `_expert_gemm_kernel` again: per block of sorted rows, the block's expert's down projection (w2 [E, H, I]).
 4. `_combine_kernel`: each token's sum over k of weight * output, in fp32 and in top-k order.
 
 No split over K anywhere: an output element's reduction order depends only on the tile shape, never on how many
@@ -83,64 +83,7 @@ def align_by_expert(
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    num_pairs,
-    N,
-    K,
-    stride_xm,
-    stride_we,
-    stride_wn,
-    stride_om,
-    TOP_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the pairs of one block (N = I)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = pairs < num_pairs
-    tokens = pairs // TOP_K
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    col_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
-    gate_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N] view
-    up_ptrs = gate_ptrs + N * stride_wn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        gate = dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), gate, DOT_PRECISION, DOT_UPCAST)
-        up = dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), up, DOT_PRECISION, DOT_UPCAST)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    out_ty = out_ptr.dtype.element_ty
-    # Rounded where the PyTorch reference rounds: each projection's output, then SiLU, then the product.
-    gate = gate.to(out_ty).to(tl.float32)
-    up = up.to(out_ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, (act * up).to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _down_kernel(
+def _expert_gemm_kernel(
     a_ptr,
     w_ptr,
     out_ptr,
@@ -154,13 +97,18 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    PAIRS_PER_A_ROW: tl.constexpr,
+    GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[pair, n] = a[pair] . w[e, n] for the pairs of one block (N = H, K = I)."""
+    """For the (token, k) pairs of one block of sorted rows, all routed to the block's expert e:
+    GATED:     out[pair, n] = silu(a[token] . w[e, n]) * (a[token] . w[e, N + n])   (gate/up, a = x, N = I)
+    otherwise: out[pair, n] = a[pair] . w[e, n]                                      (down, a = the above, N = H)
+    a's row of a pair is pair // PAIRS_PER_A_ROW (top_k for x, 1 for the per-pair intermediate)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -171,17 +119,27 @@ def _down_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + pairs[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    a_ptrs = a_ptr + (pairs // PAIRS_PER_A_ROW)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # the weight's [K, N] view
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc, DOT_PRECISION, DOT_UPCAST)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        acc = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, DOT_PRECISION, DOT_UPCAST)
+        if GATED:
+            up = dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), up, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    if GATED:
+        # Rounded where the PyTorch reference rounds: each projection's output, then SiLU, then the product.
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * up.to(out_ty).to(tl.float32)
     out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptrs, acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -231,21 +189,16 @@ def fused_moe(
     num_blocks = block_experts.shape[0]
     precision, upcast = dot_precision(x.dtype), dot_upcast(x.dtype)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-        x, w13, h, sorted_pairs, block_experts, num_padded, num_pairs, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
-        h, w2, y, sorted_pairs, block_experts, num_padded, num_pairs, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        DOT_PRECISION=precision, DOT_UPCAST=upcast,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    for a, w, out_rows, pairs_per_a_row, gated in ((x, w13, h, top_k, True), (h, w2, y, 1, False)):
+        n, k = out_rows.shape[1], a.shape[1]
+        _expert_gemm_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
+            a, w, out_rows, sorted_pairs, block_experts, num_padded, num_pairs, n, k,
+            a.stride(0), w.stride(0), w.stride(1), out_rows.stride(0),
+            PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 1024)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, weights.float().contiguous(), out, hidden, TOP_K=top_k, BLOCK_N=block,

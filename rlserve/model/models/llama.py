@@ -249,12 +249,12 @@ class DecoderForCausalLM(nn.Module):
         start, rows = module.shards[sub]
         return param, start, rows
 
-    def checkpoint_name(self, name: str) -> str | None:
-        """The name `checkpoint_weights` gives the weights that checkpoint tensor `name` writes (a tied LM head is
-        the embedding); None for a tensor the model ignores. An unknown name raises ValueError."""
+    def written_names(self, name: str) -> tuple[str, ...]:
+        """The names `checkpoint_weights` gives the weights that tensor `name` writes (a tied LM head is the
+        embedding); none for a tensor the model ignores. An unknown name raises ValueError."""
         if self._resolve(name) is None:
-            return None
-        return "model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name
+            return ()
+        return ("model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name,)
 
     def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Refuse, before any byte moves, names the model lacks, shapes that differ and non-float dtypes."""

@@ -1,9 +1,15 @@
 """Qwen3-MoE: the Qwen3 decoder (attention, norms, layer skeleton shared with llama.py) whose sparse layers' MLP is
-rlserve.model.moe's SparseMoeBlock, and whose loader maps each expert's checkpoint tensors onto the stacked experts."""
+rlserve.model.moe's SparseMoeBlock, and whose loader maps each expert's checkpoint tensors onto the stacked experts.
+
+Experts arrive under either naming: the checkpoint's per-expert tensors (`mlp.experts.E.gate_proj.weight`, ...), or
+transformers 5's stacked parameters (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), what
+a trainer holding the Hugging Face model sends from its named_parameters(). A stacked tensor is split into its
+per-expert views before the shared loader checks and writes them, so both go through one validation.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,12 +48,71 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 except KeyError:
                     pass
             raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model")
-        if len(parts) >= 2 and parts[-2] == "experts":  # the stacked parameters have no checkpoint name of their own
-            raise ValueError(
-                f"weight name {name!r}: send the experts by their checkpoint names "
-                "(model.layers.L.mlp.experts.E.gate_proj.weight, .up_proj.weight, .down_proj.weight)"
-            )
+        if self._stacked_experts(name) is not None:  # written through their per-expert names (see _split)
+            raise ValueError(f"weight name {name!r}: stacked experts are loaded by load_weights, not resolved")
         return super()._find_target(name)
+
+    def _stacked_experts(self, name: str) -> tuple[FusedExperts, tuple[str, ...], tuple[int, ...]] | None:
+        """For transformers 5's `...mlp.experts.gate_up_proj` / `.down_proj`: (experts, the per-expert checkpoint
+        sub-names each expert's slice holds, the stacked shape); None for any other name."""
+        prefix, _, attr = name.rpartition(".")
+        if attr not in ("gate_up_proj", "down_proj") or not prefix.endswith(".experts"):
+            return None
+        experts = self._experts_of(prefix)
+        if experts is None:
+            return None
+        e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        if attr == "gate_up_proj":
+            return experts, ("gate_proj", "up_proj"), (e, 2 * i, h)
+        return experts, ("down_proj",), (e, h, i)
+
+    def _split(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, slice]]] | None:
+        """A stacked expert tensor as (per-expert checkpoint name, index into the stacked tensor) pairs, each a
+        [rows, columns] slice; None for a name that is not one. A wrong shape is refused here, by the stacked name."""
+        stacked = self._stacked_experts(name)
+        if stacked is None:
+            return None
+        experts, subs, expected = stacked
+        if tuple(shape) != expected:
+            raise ValueError(f"weight {name!r}: shape {list(shape)} does not match the model's {list(expected)}")
+        prefix = name.rpartition(".")[0]
+        rows = expected[1] // len(subs)
+        return [
+            (f"{prefix}.{expert}.{sub}.weight", (expert, slice(j * rows, (j + 1) * rows)))
+            for expert in range(experts.num_experts)
+            for j, sub in enumerate(subs)
+        ]
+
+    def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        super().check_weights(self._per_expert_metadata(metadata))
+
+    def _per_expert_metadata(
+        self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
+    ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype]]:
+        for name, shape, dtype in metadata:
+            parts = self._split(name, shape)
+            if parts is None:
+                yield name, shape, dtype
+                continue
+            for sub, (_, rows) in parts:
+                yield sub, (rows.stop - rows.start, shape[2]), dtype
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        def per_expert() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                parts = self._split(name, tuple(tensor.shape))
+                if parts is None:
+                    yield name, tensor
+                else:
+                    yield from ((sub, tensor[index]) for sub, index in parts)
+
+        return super().load_weights(per_expert())
+
+    def written_names(self, name: str) -> tuple[str, ...]:
+        stacked = self._stacked_experts(name)
+        if stacked is None:
+            return super().written_names(name)
+        return tuple(sub for sub, _ in self._split(name, stacked[2]))
 
     def _experts_of(self, module_name: str) -> FusedExperts | None:
         try:
