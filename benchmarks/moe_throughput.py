@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from throughput import W1_ENGINE, StepLog, _time, instrument, measure_ceilings, run_engine, workloads
+from throughput import W1_ENGINE, StepLog, hf_generate_tok_s, instrument, measure_ceilings, run_engine, workloads
 from transformers import AutoConfig
 
 from rlserve import LLM
@@ -125,16 +125,7 @@ def run_hf_random(cfg: AutoConfig, device: torch.device, dtype: torch.dtype, bat
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    ids = torch.randint(0, cfg.vocab_size - 3, (batch, in_len), device=device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=out_len, min_new_tokens=out_len)
-    kwargs |= dict(attention_mask=torch.ones_like(ids), pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, **(kwargs | {"max_new_tokens": 4, "min_new_tokens": 4}))  # warm-up
-        seconds = _time(lambda: model.generate(ids, **kwargs), device)
-    model = None
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return batch * out_len / seconds
+    return hf_generate_tok_s(model, device, "dynamic", batch, in_len, out_len)
 
 
 def main() -> int:

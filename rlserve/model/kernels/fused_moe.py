@@ -42,15 +42,18 @@ INVARIANT_TILES = TileConfig(16, 64, 64, 4, 3)
 
 
 def tile_config(num_pairs: int, num_experts: int, batch_invariant: bool) -> TileConfig:
-    """Tile shape from the mean number of rows per expert (num_pairs = tokens x top_k)."""
+    """Tile shape from the mean number of rows per expert (num_pairs = tokens x top_k): the fastest of ten shapes at
+    Qwen3-30B-A3B's experts on an H200 (BENCHMARKS.md, 2026-12-01) for 1 to 16,384 tokens."""
     if batch_invariant:
         return INVARIANT_TILES
     rows_per_expert = num_pairs / num_experts
-    if rows_per_expert <= 16:
+    if rows_per_expert <= 8:
         return TileConfig(16, 64, 128, 4, 3)
-    if rows_per_expert <= 64:
-        return TileConfig(32, 64, 64, 4, 4)
-    return TileConfig(64, 128, 64, 8, 4)
+    if rows_per_expert <= 32:
+        return TileConfig(32, 128, 64, 4, 4)
+    if rows_per_expert <= 96:
+        return TileConfig(64, 128, 64, 8, 4)
+    return TileConfig(128, 128, 64, 8, 3)
 
 
 def align_by_expert(
@@ -82,7 +85,8 @@ def align_by_expert(
     return sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32)
 
 
-@triton.jit
+# The number of pairs changes every step: specialising on it (== 1, divisible by 16) would compile variants mid-run.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_gemm_kernel(
     a_ptr,
     w_ptr,
