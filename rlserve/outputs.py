@@ -44,8 +44,7 @@ class CompletionOutput:
     weight_versions: list[str] = field(default_factory=list)
     # With enable_return_routed_experts, on the finished output: the experts the router chose for each token and
     # layer, [prompt + output tokens - 1 - routed_experts_prompt_start, layers, top_k] (the last sampled token was
-    # never forwarded), uint8 up to 256 experts (vLLM's CompletionOutput.routed_experts). None for a sample ended by
-    # a stop string: the front end finishes it before the core's final output, which carries them.
+    # never forwarded), uint8 up to 256 experts (vLLM's CompletionOutput.routed_experts).
     routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:

@@ -34,7 +34,7 @@ class _Sample:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     weight_versions: list[str] = field(default_factory=list)
-    routed_experts: np.ndarray | None = None  # from the core's finishing output
+    routed_experts: list[np.ndarray] = field(default_factory=list)  # as the core's outputs bring them
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for DELTA outputs
@@ -188,7 +188,7 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         sample.weight_versions.extend([out.weight_version] * len(out.new_token_ids))
         if out.routed_experts is not None:
-            sample.routed_experts = out.routed_experts
+            sample.routed_experts.append(out.routed_experts)
         if sample.logprobs is not None:
             cumulative = sample.cumulative_logprob or 0.0
             for token_id, data in zip(out.new_token_ids, out.new_logprobs, strict=True):
@@ -232,7 +232,9 @@ class OutputProcessor:
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                     weight_versions=s.weight_versions[t0:],
-                    routed_experts=s.routed_experts if s.finish_reason is not None else None,
+                    routed_experts=(
+                        np.concatenate(s.routed_experts) if s.finish_reason is not None and s.routed_experts else None
+                    ),
                 )
             )
             s.sent_tokens, s.sent_text = len(s.token_ids), len(s.text)

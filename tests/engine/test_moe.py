@@ -116,6 +116,16 @@ def test_each_sample_has_its_routed_experts(moe_llm, generate) -> None:
     assert a.routed_experts.shape[0] == b.routed_experts.shape[0] == len(PROMPTS[1]) + 4
 
 
+def test_routed_experts_of_a_sample_ended_by_a_stop_string(moe_llm, generate) -> None:
+    """The front end ends such a sample itself: the routing it returns came with the core's outputs step by step."""
+    (full,) = run(moe_llm, [PROMPTS[2]], greedy(12), generate)
+    texts = [moe_llm.get_tokenizer().decode([t]) for t in full.token_ids]
+    stop_at = next(i for i in range(3, 10) if texts[i].strip() and texts[i] not in "".join(texts[:i]))
+    (out,) = run(moe_llm, [PROMPTS[2]], greedy(12, stop=[texts[stop_at]]), generate)
+    assert out.finish_reason == "stop" and list(out.token_ids) == list(full.token_ids[: stop_at + 1])
+    np.testing.assert_array_equal(out.routed_experts, full.routed_experts[: len(PROMPTS[2]) + stop_at])
+
+
 def test_in_place_update_equals_a_fresh_engine(moe_llm, moe_dir, moe_alt_dir, make_llm, generate, hf) -> None:
     moe_llm.reset_prefix_cache()  # as every update leaves it: the runs compared below all compute every prompt token
     before = run(moe_llm, PROMPTS, greedy(), generate)

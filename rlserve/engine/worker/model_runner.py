@@ -485,7 +485,8 @@ class ModelRunner:
             self.routed_experts.forget(request_id)
 
     def take_routed_experts(self, request: Request) -> np.ndarray | None:
-        """The experts routed for `request`'s tokens (see RoutedExpertsRecorder.take), or None when not recorded."""
+        """The experts routed for `request`'s tokens not sent yet (see RoutedExpertsRecorder.take), or None when not
+        recorded."""
         if self.routed_experts is None:
             return None
         return self.routed_experts.take(request, self.block_size)

@@ -5,7 +5,8 @@ Each forward writes its tokens' choices ([tokens, layers, top_k]) into one stati
 step's other results and files them here by KV slot. Keyed by slot, a prompt prefix served from the prefix cache
 keeps the routing of the request that computed it, as its KV is kept. A finished request's routing is read from its
 slots: one row per token except the last sampled one, which was never forwarded (vLLM's shape
-[num_tokens - 1 - routed_experts_prompt_start, layers, top_k]).
+[num_tokens - 1 - routed_experts_prompt_start, layers, top_k]). A request whose front end may end it on a stop string
+is sent its rows step by step instead (the front end then has them when it stops the request), each once.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ class RoutedExpertsRecorder:
         self.recorded.update(ends)
 
     def take(self, request: Request, block_size: int) -> np.ndarray | None:
-        """The routing of `request`'s tokens from its routed_experts_prompt_start to its last forwarded one, and
-        forget the request; None if none was computed. Call before its blocks are freed."""
-        recorded = self.recorded.pop(request.request_id, 0)
+        """The routing of `request`'s tokens not sent yet, from its routed_experts_prompt_start to its last forwarded
+        one; None if none was computed. Call before its blocks are freed."""
+        recorded = self.recorded.get(request.request_id, 0)
         end = min(recorded, request.num_tokens - 1, len(request.block_table) * block_size)
-        start = request.sampling_params.routed_experts_prompt_start
         if end <= 0:
             return None
+        start = max(request.sampling_params.routed_experts_prompt_start, request.num_routed_experts_sent)
         positions = np.arange(start, max(start, end))
+        request.num_routed_experts_sent = max(start, end)
         table = np.asarray(request.block_table, dtype=np.int64)
         return self.by_slot[table[positions // block_size] * block_size + positions % block_size]
 
