@@ -76,10 +76,10 @@ async def _one_request(http: httpx.AsyncClient, body: dict, max_tokens: int) -> 
             if late or tokens > max_tokens:
                 return "duplicated"
             if not done or finish is None:
-                return "lost"
+                return f"lost: the stream ended without {'[DONE]' if finish else 'a finish reason'}"
             return "aborted" if finish == "abort" else "done"
-    except httpx.TransportError:
-        return "lost"
+    except httpx.TransportError as e:
+        return f"lost: {type(e).__name__} {e}"[:160]
 
 
 async def _client_worker() -> None:
@@ -100,7 +100,7 @@ async def _client_worker() -> None:
             while not stop.done():
                 fate = await _one_request(http, body, job["max_tokens"])
                 fates[fate] += 1
-                if fate in ("refused", "lost"):
+                if fate == "refused" or fate.startswith("lost"):
                     await asyncio.sleep(0.05)  # a client backs off before sending again
 
         await asyncio.gather(*(connection() for _ in range(job["connections"])))
@@ -360,7 +360,10 @@ def main() -> int:
             line = worker.stdout.readline()
             if not line:
                 raise RuntimeError(f"a client process failed (exit {worker.wait(CLIENT_STOP_TIMEOUT_S)})")
-            fates.update(json.loads(line))
+            for fate, count in json.loads(line).items():
+                fates[fate.split(":")[0]] += count
+                if ":" in fate:  # a lost request's reason
+                    control["log"].append(f"{count} x {fate}")
         elapsed = time.perf_counter() - started
         rss_end = _tree_rss_mib(proc.pid)
         final = httpx.post(

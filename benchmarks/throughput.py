@@ -82,8 +82,13 @@ def run_hf(model_dir: str, device: torch.device, dtype: torch.dtype, mode: str, 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab - 3, (batch, in_len), device=device)
+    return hf_generate_tok_s(model, device, mode, batch, in_len, out_len)
+
+
+def hf_generate_tok_s(model, device: torch.device, mode: str, batch: int, in_len: int, out_len: int) -> float:
+    """Output tokens/s of `model.generate` sampling out_len tokens for batch random prompts (after a warm-up run);
+    frees the model."""
+    ids = torch.randint(0, model.config.vocab_size - 3, (batch, in_len), device=device)
     kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, max_new_tokens=out_len, min_new_tokens=out_len)
     if mode == "static":
         # generate() compiles the forward itself for a static cache (its compile_config); compiling it again on top

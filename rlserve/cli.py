@@ -72,11 +72,16 @@ def _generate(args: argparse.Namespace, model: str) -> int:
 
 
 def cmd_toy_model(args: argparse.Namespace) -> int:
-    from rlserve.toy import make_model_dir
+    from rlserve.toy import make_model_dir, preset_architecture
 
     _quiet_model_saving()
-    path = make_model_dir(args.dir, args.architecture, preset=args.preset, seed=args.seed)
-    print(f"wrote a random {args.architecture} ({args.preset}) with a byte-level tokenizer to {path}")
+    try:
+        path = make_model_dir(args.dir, args.architecture, preset=args.preset, seed=args.seed)
+    except ValueError as e:
+        print(f"rlserve toy-model: {e}", file=sys.stderr)
+        return 2
+    architecture = args.architecture or preset_architecture(args.preset)
+    print(f"wrote a random {architecture} ({args.preset}) with a byte-level tokenizer to {path}")
     print(f"try: rlserve generate --model {path} --prompt Hello   or   rlserve serve {path}")
     return 0
 
@@ -124,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("dir", help="directory to write (created if missing)")
     toy.add_argument("--preset", default="small", choices=list(PRESETS), help="model shape (rlserve.toy.PRESETS)")
     toy.add_argument(
-        "--architecture", default="Qwen3ForCausalLM", choices=list(SUPPORTED_ARCHITECTURES), help="model class"
+        "--architecture",
+        default=None,
+        choices=list(SUPPORTED_ARCHITECTURES),
+        help="model class (default: the preset's: Qwen3MoeForCausalLM for the -moe presets, else Qwen3ForCausalLM)",
     )
     toy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     toy.set_defaults(func=cmd_toy_model)

@@ -75,6 +75,11 @@ class EngineConfig:
         "do not depend on what else runs, and equal rlserve's trainer-side forward (rlserve.rl.train_forward) bit "
         "for bit; slower",
     )
+    enable_return_routed_experts: bool = _option(
+        False,
+        "return, with each finished sample, the experts a MoE model's router chose for each token and layer (vLLM's "
+        "option; CompletionOutput.routed_experts), so a trainer can replay that routing",
+    )
     stream_interval: int = _option(
         1,
         "tokens per streamed output (vLLM's option): larger values cut per-token work for many concurrent streams; "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import numpy as np
 
 DEFAULT_WEIGHT_VERSION = "default"
 
@@ -39,9 +42,20 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # The weight version that sampled each output token; a sample that spans an update shows both.
     weight_versions: list[str] = field(default_factory=list)
+    # With enable_return_routed_experts, on the finished output: the experts the router chose for each token and
+    # layer, [prompt + output tokens - 1 - routed_experts_prompt_start, layers, top_k] (the last sampled token was
+    # never forwarded), uint8 up to 256 experts (vLLM's CompletionOutput.routed_experts).
+    routed_experts: np.ndarray | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """`array` in NumPy's .npy format (dtype and shape included, never pickled): how routed experts travel."""
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return buffer.getvalue()
 
 
 @dataclass

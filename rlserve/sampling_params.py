@@ -48,6 +48,9 @@ class SamplingParams:
     # bad_words as token-id sequences, set by the front end's tokenizer (EngineFrontEnd.validate_prompt); the core
     # matches these. vLLM keeps the same under the same name.
     _bad_words_token_ids: list[list[int]] | None = None
+    # With the engine's enable_return_routed_experts: the prompt tokens whose routing is not returned (vLLM's field;
+    # a multi-turn caller skips the prefix it already has).
+    routed_experts_prompt_start: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +112,8 @@ class SamplingParams:
             raise bad("allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "must be non-empty strings")
+        if not _is_token_id(self.routed_experts_prompt_start):
+            raise bad("routed_experts_prompt_start", "must be an integer >= 0")
 
     @property
     def adjusts_logits(self) -> bool:

@@ -23,7 +23,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Shapes by name; "qwen3-0.6b-shape" is the benchmark model of BENCHMARKS.md.
+# Shapes by name; "qwen3-0.6b-shape" is the benchmark model of BENCHMARKS.md, "qwen3-30b-a3b-shape" the MoE one
+# (benchmarks/moe_throughput.py, which never writes it: 30B random weights are 61 GB).
 PRESETS: dict[str, dict] = {
     "tiny": dict(
         hidden_size=64,
@@ -66,7 +67,53 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         tie_word_embeddings=False,
     ),
+    "tiny-moe": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
+    "small-moe": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+    ),
+    "qwen3-30b-a3b-shape": dict(
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
 }
+MOE_PRESETS = ("tiny-moe", "small-moe", "qwen3-30b-a3b-shape")
+
+
+def preset_architecture(preset: str) -> str:
+    """The architecture a preset's fields are for: Qwen3-MoE for the MoE presets, Qwen3 for the others."""
+    return "Qwen3MoeForCausalLM" if preset in MOE_PRESETS else "Qwen3ForCausalLM"
 
 
 def make_tokenizer(add_bos: bool = False) -> PreTrainedTokenizerFast:
@@ -96,14 +143,20 @@ def make_tokenizer(add_bos: bool = False) -> PreTrainedTokenizerFast:
 
 def make_model_dir(
     path: str | Path,
-    architecture: str = "Qwen3ForCausalLM",
+    architecture: str | None = None,
     preset: str = "tiny",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | int | None = None,
     **overrides,
 ) -> Path:
-    """Write a randomly initialised model (config, safetensors, tokenizer) that loads like any HF checkpoint."""
+    """Write a randomly initialised model (config, safetensors, tokenizer) that loads like any HF checkpoint.
+    architecture: by default the preset's (see `preset_architecture`)."""
+    architecture = architecture or preset_architecture(preset)
+    if (architecture == "Qwen3MoeForCausalLM") != (preset in MOE_PRESETS):
+        raise ValueError(
+            f"architecture {architecture!r} does not fit preset {preset!r}: the MoE presets are {list(MOE_PRESETS)}"
+        )
     path = Path(path)
     tokenizer = make_tokenizer()
     fields = dict(

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
@@ -134,6 +135,7 @@ class EngineCore:
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.routed_experts = self.runner.take_routed_experts(request)  # before its blocks are freed
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
         del self.requests[request.request_id]
@@ -263,7 +265,13 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             timestamp=self._now,
             first_token=first_token,
+            routed_experts=request.routed_experts if finished else self._routed_experts_so_far(request),
         )
+
+    def _routed_experts_so_far(self, request: Request) -> np.ndarray | None:
+        """A request the front end may stop on a stop string gets its routing with every output: when the front end
+        stops it, the core's final output (which carries the rest) is no longer read."""
+        return self.runner.take_routed_experts(request) if request.sampling_params.stop else None
 
     # ---- pause / resume ----
 

@@ -41,3 +41,8 @@ class EngineLimits:
         for name, ids in token_id_fields.items():
             if any(t >= self.vocab_size for t in ids):
                 raise ValueError(f"{name}: ids must be below the vocabulary size {self.vocab_size}")
+        if params.routed_experts_prompt_start > len(prompt_token_ids):
+            raise ValueError(
+                f"routed_experts_prompt_start: {params.routed_experts_prompt_start} is past the prompt's "
+                f"{len(prompt_token_ids)} tokens"
+            )

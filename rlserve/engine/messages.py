@@ -7,6 +7,7 @@ sending a step and the front end's cost of reading it stay flat at large batches
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from rlserve.outputs import PositionLogprobsData
+from rlserve.outputs import PositionLogprobsData, npy_bytes
 from rlserve.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class EngineCoreOutput:
     # (queued, scheduled, first token) times of the core, on the request's first output that carries a token only
     first_token: tuple[float, float, float] | None = None
     error: str | None = None  # why the core refused the request (it then ends with finish_reason "abort")
+    routed_experts: np.ndarray | None = None  # [tokens, layers, top_k], on the finishing output (see outputs.py)
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -131,6 +133,8 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     first_token_times: bytes  # float64: (queued, scheduled, first token) per row of first_token_rows
     error_rows: bytes  # int32: the outputs that carry an `error` (refusals: rare, so a sparse column)
     errors: list[str]  # one per row of error_rows
+    routed_rows: bytes = b""  # int32: the outputs that carry `routed_experts` (finishing ones, when enabled)
+    routed_experts: list[bytes] = []  # one .npy (no pickle) per row of routed_rows
 
 
 class EngineStatus(msgspec.Struct, tag=True, array_like=True):
@@ -201,7 +205,12 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
     first_token_times: list[float] = []
     error_rows: list[int] = []
     errors: list[str] = []
+    routed_rows: list[int] = []
+    routed_experts: list[bytes] = []
     for i, o in enumerate(outputs):
+        if o.routed_experts is not None:
+            routed_rows.append(i)
+            routed_experts.append(npy_bytes(o.routed_experts))
         if o.first_token is not None:
             first_token_rows.append(i)
             first_token_times += o.first_token
@@ -231,6 +240,8 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
         first_token_times=_f64(first_token_times),
         error_rows=_i32(error_rows),
         errors=errors,
+        routed_rows=_i32(routed_rows),
+        routed_experts=routed_experts,
     )
 
 
@@ -276,6 +287,8 @@ def unpack_outputs(step: StepOutputs) -> list[EngineCoreOutput]:
         outputs[row].first_token = (times[3 * j], times[3 * j + 1], times[3 * j + 2])
     for row, error in zip(_ints(step.error_rows), step.errors, strict=True):
         outputs[row].error = error
+    for row, array in zip(_ints(step.routed_rows), step.routed_experts, strict=True):
+        outputs[row].routed_experts = np.load(io.BytesIO(array), allow_pickle=False)
     return outputs
 
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from rlserve.engine.detokenizer import Detokenizer, find_stop_string, make_detokenizer
@@ -33,6 +34,7 @@ class _Sample:
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     weight_versions: list[str] = field(default_factory=list)
+    routed_experts: list[np.ndarray] = field(default_factory=list)  # as the core's outputs bring them
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for DELTA outputs
@@ -185,6 +187,8 @@ class OutputProcessor:
         # Whole lists at a time: a final-only output carries every token of its sample at once.
         sample.token_ids.extend(out.new_token_ids)
         sample.weight_versions.extend([out.weight_version] * len(out.new_token_ids))
+        if out.routed_experts is not None:
+            sample.routed_experts.append(out.routed_experts)
         if sample.logprobs is not None:
             cumulative = sample.cumulative_logprob or 0.0
             for token_id, data in zip(out.new_token_ids, out.new_logprobs, strict=True):
@@ -228,6 +232,9 @@ class OutputProcessor:
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                     weight_versions=s.weight_versions[t0:],
+                    routed_experts=(
+                        np.concatenate(s.routed_experts) if s.finish_reason is not None and s.routed_experts else None
+                    ),
                 )
             )
             s.sent_tokens, s.sent_text = len(s.token_ids), len(s.text)

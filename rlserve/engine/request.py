@@ -6,6 +6,7 @@ import enum
 import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -57,6 +58,10 @@ class Request:
     held_token_ids: list[int] = field(default_factory=list)
     held_logprobs: list = field(default_factory=list)
     held_weight_version: str | None = None
+    # The experts routed for its tokens not sent before, taken when it finishes (enable_return_routed_experts), and
+    # the positions whose routing was sent already (step by step, to a request with stop strings).
+    routed_experts: np.ndarray | None = None
+    num_routed_experts_sent: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

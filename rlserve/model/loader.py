@@ -12,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlserve.dtypes import TORCH_DTYPES
 from rlserve.model.layers import RotaryEmbedding
-from rlserve.model.models import SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
+from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
 
 
@@ -73,7 +73,7 @@ def build_model(
     spec = spec_from_hf_config(cfg)
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
     with torch.device("meta"):
-        model = DecoderForCausalLM(spec, rotary, tp)
+        model = MODEL_CLASSES[spec.architecture](spec, rotary, tp)
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():
@@ -96,9 +96,7 @@ def load_model(
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):
         if model.load_weights([(name, tensor)]):
-            loaded.add(
-                "model.embed_tokens.weight" if name == "lm_head.weight" and model.spec.tie_word_embeddings else name
-            )
+            loaded.update(model.written_names(name))
     missing = names - loaded
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir!r} lacks weights {sorted(missing)[:5]}")

@@ -12,6 +12,9 @@ The trainer-side API (`compare_logprobs`, `trainer_logprobs`) is `rlserve.rl.tra
   forgets the reset would, which leaves KV computed under the old weights in the cache.
 - batch_invariant: the engine in batch-invariant mode against its reference, rlserve's batch-invariant trainer-side
   forward in the engine's dtype (not `trainer`): zero difference, bit for bit.
+- moe_replay (a MoE model): a 16-bit engine's rollouts with their routed experts, scored by rlserve's forward routing
+  each token itself ("off") and replaying the engine's routing ("on", R3). A token whose top-k the two sides' roundings
+  flip goes through other experts, the main train/inference mismatch of MoE models; replay removes it.
 
 The trainer side always scores the processed distribution: the behaviour policy of the importance ratio is the
 distribution that was sampled from.
@@ -32,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -47,12 +51,14 @@ from rlserve.rl.trainer_logprobs import ParityStats, TokenIds, compare_logprobs,
 from rlserve.sampling_params import SamplingParams
 from rlserve.toy import make_model_dir
 
-SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache", "batch_invariant")
+SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache", "batch_invariant", "moe_replay")
+# What runs unless asked otherwise: the dense model's scenarios (moe_replay needs a MoE model).
+DEFAULT_SCENARIOS = SCENARIOS[:4]
 # Random models give near-uniform next-token distributions, where every logprob is about -log(vocab) and mismatches
 # look smaller than on a trained model. Scaling the logits by these factors (powers of two) brings the mean entropy of
 # the toys' next-token distributions to 2-3 nats (uniform: 5.6 for the toy vocabulary, 11.9 for Qwen3's), with top-1
 # probabilities of 0.3-0.5: about as peaked as a trained model's.
-HEAD_SCALES = {"tiny": 16.0, "small": 16.0, "qwen3-0.6b-shape": 8.0}
+HEAD_SCALES = {"tiny": 16.0, "small": 16.0, "qwen3-0.6b-shape": 8.0, "tiny-moe": 16.0, "small-moe": 16.0}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 T = TypeVar("T")
@@ -89,13 +95,14 @@ def make_peaked_model_dir(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Path:
-    """A random Qwen3 toy (rlserve.toy) whose logits are multiplied by head_scale (default: HEAD_SCALES[preset]).
+    """A random Qwen3 (or, for a MoE preset, Qwen3-MoE) toy (rlserve.toy) whose logits are multiplied by head_scale
+    (default: HEAD_SCALES[preset]).
 
     The scale goes into the final RMSNorm weight, which feeds only the LM head: the logits are exactly those of an LM
     head scaled by head_scale (exactly in any dtype for a power of two), and a tied input embedding stays unchanged.
     """
     head_scale = HEAD_SCALES[preset] if head_scale is None else head_scale
-    path = make_model_dir(path, "Qwen3ForCausalLM", preset=preset, seed=seed, dtype=dtype)
+    path = make_model_dir(path, preset=preset, seed=seed, dtype=dtype)
     for file in checkpoint_files(str(path)):
         tensors = load_file(file)
         if "model.norm.weight" in tensors:
@@ -156,6 +163,7 @@ class Rollouts:
     completion_ids: list[list[int]]
     logprobs: list[list[float]]  # the engine's logprob of each completion token
     num_cached_tokens: list[int]  # prefix-cache hits of each request
+    routed_experts: list[np.ndarray] | None = None  # with enable_return_routed_experts: each sequence's routing
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,7 @@ def sample_rollouts(llm: LLM, prompts: TokenIds, sampling: SamplingSetup, seed: 
         completion_ids=[list(s.token_ids) for s in samples],
         logprobs=[[lp[t].logprob for lp, t in zip(s.logprobs, s.token_ids, strict=True)] for s in samples],
         num_cached_tokens=[o.num_cached_tokens for o in outputs],
+        routed_experts=None if samples[0].routed_experts is None else [s.routed_experts for s in samples],
     )
 
 
@@ -232,7 +241,7 @@ def run_parity(
     model_dir: str | Path,
     prompts: TokenIds,
     *,
-    scenarios: Iterable[str] = SCENARIOS,
+    scenarios: Iterable[str] = DEFAULT_SCENARIOS,
     max_tokens: int = 32,
     temperature: float = 0.7,
     top_k: int = -1,
@@ -255,6 +264,8 @@ def run_parity(
       lm_head/<bf16|fp16>, lm_head/fp32                     engine LM head in the model dtype / in fp32
       prefix_cache/reset, prefix_cache/off, prefix_cache/stale
       batch_invariant                                       engine batch_invariant=True vs rlserve's forward of it
+      moe_replay/off, moe_replay/on                         16-bit MoE engine vs rlserve's forward in trainer_dtype,
+                                                            routing itself / replaying the engine's routed experts
     For prefix_cache the prompts get a shared prefix of `shared_prefix_len` random tokens, and the weight update adds
     noise of `update_scale` x RMS to every tensor (trainer and engine get the same new weights). `engine_kwargs` go to
     every `LLM` (e.g. attention_backend, enforce_eager).
@@ -283,11 +294,11 @@ def run_parity(
     engines = EngineSetup(model_dir, device, 2 * blocks, min(len(prompts), 256), max_len, engine_kwargs)
     reference = load_trainer(model_dir, trainer, TORCH_DTYPES[trainer_dtype], device)
 
-    def score(rollouts: Rollouts, trainer_model: nn.Module | None = None) -> ParityStats:
+    def score(rollouts: Rollouts, trainer_model: nn.Module | None = None, replay: bool = False) -> ParityStats:
         with torch.inference_mode():
             mine = trainer_logprobs(
                 trainer_model or reference, rollouts.prompt_ids, rollouts.completion_ids, temperature, top_k, top_p,
-                processed=True,
+                processed=True, routed_experts=rollouts.routed_experts if replay else None,
             )  # fmt: skip
         return compare_logprobs(rollouts.logprobs, mine)
 
@@ -338,6 +349,18 @@ def run_parity(
         rollouts = engines.run(sample_once, dtype=dtype, logprobs_mode="processed_logprobs", batch_invariant=True)
         own = load_training_model(model_dir, TORCH_DTYPES[dtype], device, batch_invariant=True)
         results["batch_invariant"] = score(rollouts, own)
+    if "moe_replay" in scenarios:
+        if AutoConfig.from_pretrained(model_dir).architectures[0] != "Qwen3MoeForCausalLM":
+            raise ValueError(f"scenarios: moe_replay needs a MoE model (Qwen3MoeForCausalLM), {model_dir!r} is not one")
+        rollouts = engines.run(
+            sample_once,
+            dtype=lm_head_scenario_dtype(dtype),
+            logprobs_mode="processed_logprobs",
+            enable_return_routed_experts=True,
+        )
+        replayer = load_training_model(model_dir, TORCH_DTYPES[trainer_dtype], device)
+        results["moe_replay/off"] = score(rollouts, replayer)
+        results["moe_replay/on"] = score(rollouts, replayer, replay=True)
     return results
 
 
@@ -375,6 +398,8 @@ def row_setups(dtype: str, trainer: str, trainer_dtype: str, temperature: float)
         "prefix_cache/off": RowSetup(engine, reference, same),
         "prefix_cache/stale": RowSetup(engine, reference, ">0"),
         "batch_invariant": RowSetup(engine, f"rlserve-bi-{engine}", "=0"),
+        "moe_replay/off": RowSetup(half, f"rlserve-{_SHORT[trainer_dtype]}", "?"),
+        "moe_replay/on": RowSetup(half, f"rlserve-{_SHORT[trainer_dtype]}+replay", "?"),
     }
 
 
@@ -430,6 +455,7 @@ SCENARIO_WHAT = {
     "lm_head": "16-bit LM head vs fp32 LM head (2 engines)",
     "prefix_cache": "prefix cache across a weight update: reset, off, stale (2 engines)",
     "batch_invariant": "batch-invariant engine vs its trainer-side forward (1 engine)",
+    "moe_replay": "16-bit MoE engine vs rlserve's forward routing itself / replaying the engine's routing (1 engine)",
 }
 
 
@@ -437,24 +463,33 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the trainer's loading bars would interleave with the progress lines
-    if args.model is not None:
-        print(f"model: {args.model} (used as is)")
-        return _parity(args, resolve_model(args.model))
-    with tempfile.TemporaryDirectory(prefix="rlserve-parity-") as workdir:  # removed on the way out
-        model = str(make_peaked_model_dir(Path(workdir) / "model", "small", args.head_scale))
-        print(
-            f"model: a random small Qwen3 (removed at exit), logits x{args.head_scale:g} (final RMSNorm weight, i.e. "
-            "an LM head scaled by that factor) so that the distribution is peaked"
-        )
-        return _parity(args, model)
-
-
-def _parity(args: argparse.Namespace, model: str) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
     if unknown:
         print(f"rlserve parity: unknown scenario(s) {unknown}; known: {list(SCENARIOS)}", file=sys.stderr)
         return 2
+    if args.model is not None:
+        print(f"model: {args.model} (used as is)")
+        model = resolve_model(args.model)
+        return _parity(args, scenarios, model, model)
+    with tempfile.TemporaryDirectory(prefix="rlserve-parity-") as workdir:  # removed on the way out
+        dense = [s for s in scenarios if s != "moe_replay"]
+        model = moe_model = None
+        if dense:
+            model = str(make_peaked_model_dir(Path(workdir) / "model", "small", args.head_scale))
+        if "moe_replay" in scenarios:
+            moe_model = str(make_peaked_model_dir(Path(workdir) / "moe-model", "small-moe", args.head_scale))
+        built = (("Qwen3", model), ("Qwen3-MoE (moe_replay)", moe_model))
+        shapes = " and ".join(name for name, path in built if path)
+        print(
+            f"model: a random small {shapes} (removed at exit), logits x{args.head_scale:g} (final RMSNorm weight, "
+            "i.e. an LM head scaled by that factor) so that the distribution is peaked"
+        )
+        return _parity(args, scenarios, model or moe_model, moe_model or model)
+
+
+def _parity(args: argparse.Namespace, scenarios: list[str], model: str, moe_model: str) -> int:
+    """`moe_model` runs the moe_replay scenario, `model` the others."""
     prompts = random_prompts(model, args.num_prompts, args.prompt_len, seed=args.seed)
     peak = peakedness(model, prompts, args.device)
     print(
@@ -474,7 +509,7 @@ def _parity(args: argparse.Namespace, model: str) -> int:
         t0 = time.perf_counter()
         # One scenario a call: each starts from the checkpoint's weights (prefix_cache updates its reference's).
         results |= run_parity(
-            model,
+            moe_model if scenario == "moe_replay" else model,
             prompts,
             scenarios=[scenario],
             max_tokens=args.max_tokens,
@@ -524,6 +559,10 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1, help="top-k of the sampling (-1: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, the sampling and the weight update")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(DEFAULT_SCENARIOS),
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (moe_replay runs on a small Qwen3-MoE without --model)",
+    )
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON (default: none)")
     p.set_defaults(func=cmd_parity)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -99,17 +100,28 @@ def load_training_model(
     return model.train().requires_grad_()
 
 
-def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Final hidden states [len(seq), hidden] of each sequence, from one packed forward through the model's modules."""
+def forward_hidden(
+    model: DecoderForCausalLM,
+    sequences: Sequence[Sequence[int]],
+    routed_experts: Sequence[np.ndarray | torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Final hidden states [len(seq), hidden] of each sequence, from one packed forward through the model's modules.
+
+    routed_experts (a MoE model): per sequence, the experts to route its first tokens to, [tokens, layers, top_k]
+    from position 0 (the engine's CompletionOutput.routed_experts of a request with routed_experts_prompt_start 0,
+    which covers all but the last token); tokens past them take the router's own choice (see rlserve.model.moe)."""
     device = model.lm_head.weight.device
     lengths = [len(s) for s in sequences]
     if not sequences or min(lengths) == 0:
         raise ValueError("sequences: expected at least one sequence, each with at least one token")
+    replay = None if routed_experts is None else _replay_tensor(model, lengths, routed_experts)
     ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     if model.batch_invariant:
-        hidden = model(ids, positions, _paged_prefill_context(model, lengths, cu))
+        ctx = _paged_prefill_context(model, lengths, cu)
+        ctx.replay_experts = replay
+        hidden = model(ids, positions, ctx)
         return list(hidden.split(lengths))
     meta = AttentionMetadata(
         slot_mapping=torch.full((len(ids),), -1, dtype=torch.long, device=device),
@@ -123,7 +135,9 @@ def forward_hidden(model: DecoderForCausalLM, sequences: Sequence[Sequence[int]]
     )
     # The decoder indexes one (k_cache, v_cache) pair per layer; this backend never touches them.
     no_cache = torch.empty(0, device=device)
-    ctx = ForwardContext(meta, [(no_cache, no_cache)] * model.spec.num_layers, ContiguousAttention())
+    ctx = ForwardContext(
+        meta, [(no_cache, no_cache)] * model.spec.num_layers, ContiguousAttention(), replay_experts=replay
+    )
     hidden = model(ids, positions, ctx)
     return list(hidden.split(lengths))
 
@@ -146,6 +160,32 @@ def checkpoint_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         return
     for name, param in model.named_parameters():
         yield name, param.detach()
+
+
+def _replay_tensor(
+    model: DecoderForCausalLM, lengths: list[int], routed_experts: Sequence[np.ndarray | torch.Tensor]
+) -> torch.Tensor:
+    """The packed sequences' replayed experts [tokens, layers, top_k]; -1 where the router chooses itself."""
+    moe = model.spec.moe
+    if moe is None:
+        raise ValueError(f"routed_experts: {model.spec.architecture} has no routed experts (not a MoE model)")
+    if len(routed_experts) != len(lengths):
+        raise ValueError(f"routed_experts: got {len(routed_experts)} arrays for {len(lengths)} sequences")
+    device = model.lm_head.weight.device
+    replay = torch.full((sum(lengths), model.spec.num_layers, moe.top_k), -1, dtype=torch.long, device=device)
+    start = 0
+    for i, (length, routed) in enumerate(zip(lengths, routed_experts, strict=True)):
+        routed = torch.as_tensor(routed).long()
+        if routed.dim() != 3 or routed.shape[0] > length or routed.shape[1:] != replay.shape[1:]:
+            raise ValueError(
+                f"routed_experts[{i}]: shape {list(routed.shape)} does not fit a sequence of {length} tokens "
+                f"([<= tokens, {model.spec.num_layers}, {moe.top_k}])"
+            )
+        if routed.numel() and not 0 <= int(routed.min()) <= int(routed.max()) < moe.num_experts:
+            raise ValueError(f"routed_experts[{i}]: expert ids must be in [0, {moe.num_experts})")
+        replay[start : start + routed.shape[0]] = routed.to(device)
+        start += length
+    return replay
 
 
 def _paged_prefill_context(model: DecoderForCausalLM, lengths: list[int], cu_seqlens_q: torch.Tensor) -> ForwardContext:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -112,6 +113,7 @@ def trainer_logprobs(
     top_k: int = -1,
     top_p: float = 1.0,
     processed: bool = False,
+    routed_experts: Sequence[np.ndarray | torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Logprobs of each completion's tokens from one full-sequence forward, as a trainer computes them.
 
@@ -119,19 +121,23 @@ def trainer_logprobs(
     `DecoderForCausalLM` (all sequences packed into one forward through `train_forward.ContiguousAttention`).
     processed=False: log_softmax of the logits (the engine's raw_logprobs). processed=True: of the distribution the
     engine sampled from, after temperature, top-k and top-p (its processed_logprobs). Returns one float32 tensor per
-    completion; gradients flow unless the caller disables them.
+    completion; gradients flow unless the caller disables them. `routed_experts` (rlserve's MoE decoder only): replay
+    the engine's routing, per sequence its CompletionOutput.routed_experts (see train_forward.forward_hidden).
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"got {len(prompt_ids)} prompts and {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("prompt_ids: every prompt needs at least one token")
     if isinstance(model, DecoderForCausalLM):
-        hidden = forward_hidden(model, [[*p, *c] for p, c in zip(prompt_ids, completion_ids, strict=True)])
+        sequences = [[*p, *c] for p, c in zip(prompt_ids, completion_ids, strict=True)]
+        hidden = forward_hidden(model, sequences, routed_experts)
         logits = [
             model.compute_logits(h[len(p) - 1 : len(p) - 1 + len(c)])
             for h, p, c in zip(hidden, prompt_ids, completion_ids, strict=True)
         ]
     else:
+        if routed_experts is not None:
+            raise ValueError("routed_experts: replaying routing needs rlserve's model (trainer 'rlserve')")
         logits = [_hf_completion_logits(model, p, c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
     return [
         _token_logprobs(x, c, temperature, top_k, top_p, processed) for x, c in zip(logits, completion_ids, strict=True)

@@ -65,6 +65,7 @@ from rlserve.server.protocol import (
     completion_logprobs,
     new_id,
     prompt_logprobs,
+    routed_experts_field,
     weight_version_spans,
 )
 from rlserve.server.rl_routes import build_rl_router
@@ -410,6 +411,7 @@ class OpenAIServing:
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                     weight_versions=weight_versions(index, s),
+                    routed_experts=routed_experts_field(s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                     prompt_logprobs=prompt_logprobs(prompt_lps, fmt),
                     prompt_token_ids=out.prompt_token_ids if first and req.return_token_ids else None,
@@ -438,6 +440,7 @@ class OpenAIServing:
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
                         weight_versions=weight_versions(i * n + s.index, s),
+                        routed_experts=routed_experts_field(s),
                         token_ids=s.token_ids if req.return_token_ids else None,
                         prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
                         prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
@@ -541,6 +544,7 @@ class OpenAIServing:
                     finish_reason=finish_reason,
                     stop_reason=s.stop_reason,
                     weight_versions=weight_versions(index, s),
+                    routed_experts=routed_experts_field(s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                 )
                 # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
@@ -586,6 +590,7 @@ class OpenAIServing:
                     finish_reason=_finish_reason(s.finish_reason, parsed),
                     stop_reason=s.stop_reason,
                     weight_versions=weight_versions(s.index, s),
+                    routed_experts=routed_experts_field(s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                 )
             )
@@ -622,6 +627,7 @@ class OpenAIServing:
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 weight_versions=s.weight_versions,
+                routed_experts=routed_experts_field(s),
             )
 
         if req.stream:

@@ -8,6 +8,7 @@ engine; `APIError` carries their complaint to the client as OpenAI's error JSON,
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs
+from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, npy_bytes
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 # OpenAI's convention for a logprob of -inf (JSON has no infinity).
@@ -152,7 +153,6 @@ REFUSED_FIELDS: dict[str, Refused] = {
     "structured_outputs": Refused(_NO_GUIDED),
     "priority": Refused("rlserve has no priority scheduling (first come, first served): only 0", (None, 0)),
     "session_id": Refused("one engine per server: there is no session routing"),
-    "routed_experts_prompt_start": Refused("routed experts are not returned (no MoE models yet)", (None, 0)),
     "return_token_offsets": Refused("token offsets are not returned", (None, False)),
     "return_prompt_text": Refused("not implemented: /v1/chat/completions/render returns the prompt", (None, False)),
     "mm_payload": Refused(_TEXT_ONLY, (None, "tensors")),
@@ -244,6 +244,8 @@ class _GenerationRequest(OpenAIBaseModel):
     # vLLM's: each choice's weight_versions as spans [{version, start, end}] of its output tokens (in a stream, on the
     # choice's last chunk). Without it, rlserve's extension: every chunk's weight_versions lists each token's version.
     return_weight_versions: bool = False
+    # vLLM's: with --enable-return-routed-experts, the prompt tokens whose routing each choice leaves out.
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -301,6 +303,7 @@ class _GenerationRequest(OpenAIBaseModel):
             prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            routed_experts_prompt_start=self.routed_experts_prompt_start,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -531,6 +534,16 @@ class _ChoiceExtras(BaseModel):
     # version (rlserve's): RL clients see which policy produced what.
     weight_versions: list[WeightVersionSpan] | list[str] | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    # vLLM's: with --enable-return-routed-experts, on a finished choice, CompletionOutput.routed_experts as base64 of
+    # its .npy bytes (np.load(io.BytesIO(base64.b64decode(s)))).
+    routed_experts: str | None = None
+
+
+def routed_experts_field(sample: CompletionOutput) -> str | None:
+    """A choice's `routed_experts`: the sample's routed experts, base64 of their .npy bytes; None without them."""
+    if sample.routed_experts is None:
+        return None
+    return base64.b64encode(npy_bytes(sample.routed_experts)).decode("ascii")
 
 
 class CompletionResponseChoice(_ChoiceExtras):

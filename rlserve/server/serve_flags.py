@@ -52,8 +52,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--enable-lora",), _LORA),
     Unsupported(("--max-lora-rank",), _LORA, True),
     Unsupported(("--max-loras",), _LORA, True),
-    Unsupported(("--enable-expert-parallel", "-ep"), "expert parallelism is not supported yet (no MoE models yet)"),
-    Unsupported(("--enable-return-routed-experts",), "routed experts are not returned yet (no MoE models yet)"),
+    Unsupported(("--enable-expert-parallel", "-ep"), "expert parallelism is not supported yet"),
     Unsupported(("--reasoning-parser",), "reasoning parsing is not supported yet", True),
 )
 

@@ -106,3 +106,13 @@ def test_toy_model_writes_a_model_directory(tmp_path: Path, capsys: pytest.Captu
     assert config["architectures"] == ["LlamaForCausalLM"] and config["hidden_size"] == 64
     assert (tmp_path / "toy" / "model.safetensors").is_file() and (tmp_path / "toy" / "tokenizer.json").is_file()
     assert f"rlserve serve {tmp_path / 'toy'}" in capsys.readouterr().out
+
+
+def test_toy_model_moe_preset(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["toy-model", str(tmp_path / "moe"), "--preset", "tiny-moe"]) == 0
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts_per_tok"] == 2
+    assert "Qwen3MoeForCausalLM (tiny-moe)" in capsys.readouterr().out
+    # A MoE preset is a MoE architecture's fields: with a dense architecture it is refused by name.
+    assert main(["toy-model", str(tmp_path / "bad"), "--preset", "tiny-moe", "--architecture", "Qwen3ForCausalLM"]) == 2
+    assert "does not fit preset 'tiny-moe'" in capsys.readouterr().err

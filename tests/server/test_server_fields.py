@@ -357,6 +357,7 @@ def test_refused_and_unknown_fields_are_bad_requests(oai: openai.OpenAI, http: h
 
 # Each field with an effect -> the test that checks it ("file::test", or a test of this file).
 FIELD_TESTS: dict[str, str] = {
+    "routed_experts_prompt_start": "test_server_moe.py::test_routed_experts_over_http",
     "model": "test_server_errors.py::send_bad_inputs",
     "prompt": "test_server_openai.py::test_batch_and_token_id_prompts",
     "messages": "test_pipelinerl_chat_with_tools_and_token_ids",

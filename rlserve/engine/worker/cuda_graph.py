@@ -30,7 +30,9 @@ class DecodeCUDAGraphs:
         max_blocks_per_seq: int,
         max_seq_len: int,
         device: torch.device,
+        routed_experts: torch.Tensor | None = None,
     ) -> None:
+        """routed_experts: the buffer a MoE model records its routing in (ForwardContext.routed_experts), if any."""
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
         n = max_batch_size
@@ -55,7 +57,7 @@ class DecodeCUDAGraphs:
                     max_seqlen_q=1,
                     max_seq_len=max_seq_len,
                 )
-                ctx = ForwardContext(meta, kv_caches, backend)
+                ctx = ForwardContext(meta, kv_caches, backend, routed_experts)
                 model(self.input_ids[:bs], self.positions[:bs], ctx)  # compile kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=capture_stream):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from rlserve.config import EngineConfig
@@ -19,9 +20,11 @@ from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
 from rlserve.engine.worker.logits_inputs import build_logits_adjustments
+from rlserve.engine.worker.routed_experts import RoutedExpertsRecorder
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
 from rlserve.model.models.llama import ForwardContext
+from rlserve.model.moe import routed_experts_dtype
 from rlserve.model.parallel import TensorParallelGroup
 from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
 from rlserve.outputs import PositionLogprobsData
@@ -52,6 +55,8 @@ class LaunchedStep:
     host_token_ids: torch.Tensor  # the same, being copied to (pinned) host memory
     host_logprobs: LogprobsTensors | None
     host_prompt_logprobs: LogprobsTensors | None
+    # With routed experts returned: the step's rows (host copy), each input token's slot, (request id, end) pairs.
+    host_routed: tuple[torch.Tensor, list[int], list[tuple[str, int]]] | None = None
     done: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU, where work is synchronous
 
 
@@ -159,6 +164,7 @@ class ModelRunner:
         # Every checkpoint tensor the model has: what a full weight update writes.
         self.weight_names = frozenset(name for name, _ in self.model.checkpoint_weights())
         self._allocate_kv_cache()
+        self.routed_experts = self._make_routed_experts_recorder(config)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
@@ -187,6 +193,28 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
 
+    def _make_routed_experts_recorder(self, config: EngineConfig) -> RoutedExpertsRecorder | None:
+        if not config.enable_return_routed_experts:
+            return None
+        moe = self.spec.moe
+        if moe is None:
+            raise ValueError(
+                f"enable_return_routed_experts: {self.spec.architecture} has no routed experts (not a MoE model)"
+            )
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        return RoutedExpertsRecorder(
+            self.num_blocks * self.block_size,
+            self.spec.num_layers,
+            moe.top_k,
+            routed_experts_dtype(moe.num_experts),
+            max_tokens,
+            self.device,
+        )
+
+    @property
+    def _routed_rows(self) -> torch.Tensor | None:
+        return None if self.routed_experts is None else self.routed_experts.device_rows
+
     def _capture_graphs(self) -> None:
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(
@@ -197,6 +225,7 @@ class ModelRunner:
                 self.max_blocks_per_seq,
                 self.max_model_len,
                 self.device,
+                self._routed_rows,
             )
 
     @torch.inference_mode()
@@ -323,6 +352,8 @@ class ModelRunner:
         """Wait for a launched step and return its tokens and logprobs as host values."""
         if step.done is not None:
             step.done.synchronize()
+        if step.host_routed is not None:
+            self.routed_experts.record(*step.host_routed)
         sampled: list[int | None] = [None] * len(step.scheduled)
         logprobs: list[PositionLogprobsData | None] = [None] * len(step.scheduled)
         for i, token in zip(step.sample_rows, step.host_token_ids.tolist(), strict=True):
@@ -361,11 +392,23 @@ class ModelRunner:
             host_token_ids=self._to_host(sampled_token_ids),
             host_logprobs=None if logprobs is None else self._copy_to_host(logprobs),
             host_prompt_logprobs=None if prompt_logprobs is None else self._copy_to_host(prompt_logprobs),
+            host_routed=self._copy_routed_experts(scheduled, inputs),
         )
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()
         return step
+
+    def _copy_routed_experts(
+        self, scheduled: list[ScheduledRequest], inputs: _StepInputs
+    ) -> tuple[torch.Tensor, list[int], list[tuple[str, int]]] | None:
+        """Start copying this step's routed experts back (on the CPU a copy: the next step reuses the buffer)."""
+        if self.routed_experts is None:
+            return None
+        rows = self.routed_experts.device_rows[: len(inputs.input_ids)]
+        host = rows.clone() if self.staging is None else self.staging.to_host(rows)
+        ends = [(item.request.request_id, end) for item, end in zip(scheduled, inputs.seq_lens, strict=True)]
+        return host, inputs.slot_mapping, ends
 
     def _gather_inputs(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> _StepInputs:
         """One pass over the scheduled requests into flat host lists (a loop per list cost more at batch 1024)."""
@@ -524,7 +567,7 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
         )
-        return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend))
+        return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend, self._routed_rows))
 
     def _logits(self, hidden: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
         """The logits of the rows that sample (every rank computes them: the LM head gathers over the ranks)."""
@@ -562,6 +605,15 @@ class ModelRunner:
         """Forget a finished request's host-side state."""
         self.block_table_buffer.release(request_id)
         self._adjusting_logits.discard(request_id)
+        if self.routed_experts is not None:
+            self.routed_experts.forget(request_id)
+
+    def take_routed_experts(self, request: Request) -> np.ndarray | None:
+        """The experts routed for `request`'s tokens not sent yet (see RoutedExpertsRecorder.take), or None when not
+        recorded."""
+        if self.routed_experts is None:
+            return None
+        return self.routed_experts.take(request, self.block_size)
 
     def _sampling_metadata(self, requests: list[Request], prev: LaunchedStep | None) -> SamplingMetadata:
         params = [r.sampling_params for r in requests]
@@ -722,7 +774,7 @@ class ModelRunner:
 
     def checkpoint_names(self, names) -> set[str]:
         """The entries of `weight_names` that checkpoint tensors `names` write."""
-        return {key for key in map(self.model.checkpoint_name, names) if key is not None}
+        return {key for name in names for key in self.model.written_names(name)}
 
     def snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters, written into `into` (the previous snapshot's buffers) when given: a copy

@@ -6,4 +6,5 @@ it imports triton, which CPU-only runs never load.
 - fused_sampling: temperature sampling with the chosen token's logprob in one pass
 - paged_attention: KV-cache store, varlen causal attention and split-KV decode over the paged cache
 - batch_invariant_matmul: the matmul of batch-invariant mode (its tile chosen by the weight, never by the batch)
+- fused_moe: a MoE layer's experts: tokens sorted by expert, grouped gate/up + SiLU and down GEMMs, top-k combine
 """

@@ -5,7 +5,7 @@ every projection (rlserve.model.layers), and the loader slices each full checkpo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from rlserve.model.layers import (
     norm_and_rotate_qk,
     silu_and_mul,
 )
+from rlserve.model.moe import MoESpec, moe_spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
 
 
@@ -48,6 +49,7 @@ class DecoderSpec:
     o_bias: bool  # Llama with attention_bias
     mlp_bias: bool
     qk_norm: bool  # Qwen3
+    moe: MoESpec | None = None  # Qwen3-MoE: the sparse layers' experts (rlserve.model.models.qwen3_moe)
 
 
 def spec_from_hf_config(cfg) -> DecoderSpec:
@@ -78,7 +80,8 @@ def spec_from_hf_config(cfg) -> DecoderSpec:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        moe=moe_spec_from_hf_config(cfg) if arch == "Qwen3MoeForCausalLM" else None,
     )
 
 
@@ -89,6 +92,10 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     backend: AttentionBackend
+    # MoE layers only: where to record each token's routed experts ([>= tokens, layers, top_k]), and experts to
+    # route each token to instead of the router's choice ([tokens, layers, top_k]; -1: the router's). See moe.py.
+    routed_experts: torch.Tensor | None = None
+    replay_experts: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -135,17 +142,20 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(size, spec.hidden_size, spec.mlp_bias, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # ctx: the signature of every MLP of a decoder layer (a MoE one reads its routing fields); unused here.
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), exact=self.batch_invariant))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallelGroup, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx, rotary, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, tp)
+        self.mlp = mlp
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -161,14 +171,20 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, ctx), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup,
+        make_mlp: Callable[[int], nn.Module],
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, tp) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, tp, make_mlp(i)) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -194,7 +210,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.tp = tp = tp or TensorParallelGroup()
-        self.model = DecoderModel(spec, rotary, tp)
+        self.model = DecoderModel(spec, rotary, tp, self.make_mlp)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tp)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -204,6 +220,10 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
+        return MLP(self.spec, self.tp)
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Compute every projection and the LM head with the batch-invariant matmul (rlserve.model.batch_invariant),
@@ -263,12 +283,12 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model")
         return param, _shard_slice(module, parts[-1], sub, self.tp.rank)
 
-    def checkpoint_name(self, name: str) -> str | None:
-        """The name `checkpoint_weights` gives the weights that checkpoint tensor `name` writes (a tied LM head is
-        the embedding); None for a tensor the model ignores. An unknown name raises ValueError."""
+    def written_names(self, name: str) -> tuple[str, ...]:
+        """The names `checkpoint_weights` gives the weights that tensor `name` writes (a tied LM head is the
+        embedding); none for a tensor the model ignores. An unknown name raises ValueError."""
         if self._resolve(name) is None:
-            return None
-        return "model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name
+            return ()
+        return ("model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name,)
 
     def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Refuse, before any byte moves, names the model lacks, shapes that differ from the checkpoint's (whole
@@ -328,6 +348,9 @@ class DecoderForCausalLM(nn.Module):
     def full_checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole checkpoint tensors, put together from every rank's part (a collective: every rank iterates
         them all, in the same order); under one rank, `checkpoint_weights`. For checksums a trainer compares."""
+        if self.tp.size == 1:
+            yield from self.checkpoint_weights()
+            return
         gathered: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # the last parameter, from every rank
         for name, module, param_name, sub in self._checkpoint_parts():
             param = getattr(module, param_name)

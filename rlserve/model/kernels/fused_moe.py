@@ -1,0 +1,211 @@
+"""The fused MoE experts on CUDA: tokens sorted by expert, two grouped GEMMs over the stacked experts, a combine.
+
+1. `align_by_expert`: every (token, k) pair goes to its expert's run of rows; each expert's run is padded to a multiple
+   of BLOCK_M, so a block of BLOCK_M sorted rows belongs to one expert (vLLM's moe_align_block_size). Done with torch
+   ops on the device and sized by the worst case: no host sync, the same shapes for a given number of tokens, so a
+   decode step is CUDA-graph capturable.
+2. `_expert_gemm_kernel`, gated: per block of sorted rows and block of the intermediate dimension, the gate and the
+   up projection of the block's expert (w13 [E, 2I, H]) in two accumulators, then SiLU(gate) * up, per (token, k).
+3. `_expert_gemm_kernel` again: per block of sorted rows, the block's expert's down projection (w2 [E, H, I]).
+4. `_combine_kernel`: each token's sum over k of weight * output, in fp32 and in top-k order.
+
+No split over K anywhere: an output element's reduction order depends only on the tile shape, never on how many
+tokens there are or which expert block a row shares. In batch-invariant mode one tile shape serves every batch size,
+so a token's result does not depend on the batch (the router's matmul is the batch-invariant one of
+rlserve.model.batch_invariant); otherwise the tile shape follows the number of tokens per expert.
+
+Checked against rlserve.model.moe.experts_reference under TRITON_INTERPRET=1 (tests/model/kernels/test_fused_moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rlserve.model.kernels.dot import dot, dot_precision, dot_upcast
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Batch-invariant mode's single tile shape.
+INVARIANT_TILES = TileConfig(16, 64, 64, 4, 3)
+
+
+def tile_config(num_pairs: int, num_experts: int, batch_invariant: bool) -> TileConfig:
+    """Tile shape from the mean number of rows per expert (num_pairs = tokens x top_k): the fastest of ten shapes at
+    Qwen3-30B-A3B's experts on an H200 (BENCHMARKS.md, 2026-12-01) for 1 to 16,384 tokens."""
+    if batch_invariant:
+        return INVARIANT_TILES
+    rows_per_expert = num_pairs / num_experts
+    if rows_per_expert <= 8:
+        return TileConfig(16, 64, 128, 4, 3)
+    if rows_per_expert <= 32:
+        return TileConfig(32, 128, 64, 4, 4)
+    if rows_per_expert <= 96:
+        return TileConfig(64, 128, 64, 8, 4)
+    return TileConfig(128, 128, 64, 8, 3)
+
+
+def align_by_expert(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, block_experts, num_padded) for expert ids [T, K].
+
+    sorted_pairs [max_rows] int32: the flat (token * K + k) index of each sorted row, grouped by expert, each expert's
+    run padded to a multiple of block_m with T * K (out of range: masked). block_experts [max_rows // block_m]: the
+    expert of each block of rows (garbage past num_padded). num_padded [1]: the rows in use. Device-only work."""
+    num_pairs = ids.numel()
+    flat = ids.flatten()
+    device = ids.device
+    # At most min(E, T*K) experts are used, each wasting at most block_m - 1 rows.
+    max_rows = min(num_pairs + num_experts * (block_m - 1), num_pairs * block_m)
+    max_rows = triton.cdiv(max_rows, block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
+    count_starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    rank = torch.arange(num_pairs, device=device) - count_starts[experts_sorted]
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_starts[experts_sorted] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_rows, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32)
+
+
+# The number of pairs changes every step: specialising on it (== 1, divisible by 16) would compile variants mid-run.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    PAIRS_PER_A_ROW: tl.constexpr,
+    GATED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """For the (token, k) pairs of one block of sorted rows, all routed to the block's expert e:
+    GATED:     out[pair, n] = silu(a[token] . w[e, n]) * (a[token] . w[e, N + n])   (gate/up, a = x, N = I)
+    otherwise: out[pair, n] = a[pair] . w[e, n]                                      (down, a = the above, N = H)
+    a's row of a pair is pair // PAIRS_PER_A_ROW (top_k for x, 1 for the per-pair intermediate)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = pairs < num_pairs
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // PAIRS_PER_A_ROW)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # the weight's [K, N] view
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        acc = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, DOT_PRECISION, DOT_UPCAST)
+        if GATED:
+            up = dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), up, DOT_PRECISION, DOT_UPCAST)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    if GATED:
+        # Rounded where the PyTorch reference rounds: each projection's output, then SiLU, then the product.
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * up.to(out_ty).to(tl.float32)
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, weight_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum over k, in order, of weight[t, k] * y[t * TOP_K + k], in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        w = tl.load(weight_ptr + token * TOP_K + k)
+        y = tl.load(y_ptr + (token * TOP_K + k) * N + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += w * y
+    tl.store(out_ptr + token * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, K] (fp32) and expert ids [T, K] -> [T, H]."""
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if x.dim() != 2 or x.shape[1] != hidden or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(
+            f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit "
+            "[T, H], [E, 2I, H], [E, H, I]"
+        )
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_moe: w13 and w2 need unit stride along their last dimension")
+    if x.dtype != w13.dtype or x.dtype != w2.dtype:
+        raise ValueError(f"fused_moe: x is {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [T, K]")
+    num_tokens, top_k = ids.shape
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    num_pairs = num_tokens * top_k
+    cfg = tile_config(num_pairs, num_experts, batch_invariant)
+    sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts, cfg.block_m)
+    num_blocks = block_experts.shape[0]
+    precision, upcast = dot_precision(x.dtype), dot_upcast(x.dtype)
+    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    for a, w, out_rows, pairs_per_a_row, gated in ((x, w13, h, top_k, True), (h, w2, y, 1, False)):
+        n, k = out_rows.shape[1], a.shape[1]
+        _expert_gemm_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
+            a, w, out_rows, sorted_pairs, block_experts, num_padded, num_pairs, n, k,
+            a.stride(0), w.stride(0), w.stride(1), out_rows.stride(0),
+            PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    block = min(triton.next_power_of_2(hidden), 1024)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, weights.float().contiguous(), out, hidden, TOP_K=top_k, BLOCK_N=block,
+        enable_fp_fusion=False,  # the reference rounds each product before its add
+    )  # fmt: skip
+    return out

@@ -1,0 +1,183 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE's): a softmax top-k router over experts stored as stacked tensors.
+
+Experts live in two parameters shaped for the fused kernel: `gate_up_proj` [E * 2I, H] (each expert's gate rows, then
+its up rows) and `down_proj` [E * H, I], viewed as [E, 2I, H] and [E, H, I]. Stored two-dimensional, each checkpoint
+tensor (`experts.E.gate_proj.weight`, ...) is a run of rows of one parameter, which the decoder's loader writes in
+place as it writes q/k/v into `qkv_proj` (see Qwen3MoeForCausalLM).
+
+The router's choices can be recorded (the engine returns them: vLLM's routed experts) and replayed (the trainer routes
+each token as the engine did; the routing weights still come from the trainer's own router logits, so the router gets
+gradients): both through `ForwardContext` fields, `routed_experts` and `replay_experts`.
+
+On CUDA without autograd the experts run in the fused Triton kernel (rlserve.model.kernels.fused_moe); elsewhere in
+`experts_reference`, which is the kernel's reference and what the trainer differentiates. Both combine a token's top-k
+expert outputs in top-k order, in fp32, so a token's result never depends on the other tokens of the batch (in
+batch-invariant mode the expert projections also use the batch-invariant matmul).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlserve.model import batch_invariant
+from rlserve.model.layers import Linear, ShardSlice, fused_kernels, silu_and_mul
+
+if TYPE_CHECKING:
+    from rlserve.model.models.llama import ForwardContext
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # moe_intermediate_size, per expert
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has the MoE MLP (Hugging Face's rule); the others have the dense one."""
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+
+def moe_spec_from_hf_config(cfg) -> MoESpec:
+    # transformers 5.2x names it num_local_experts (num_experts remains an alias); older versions num_experts.
+    num_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    spec = MoESpec(
+        num_experts=num_experts,
+        top_k=cfg.num_experts_per_tok,
+        intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=bool(cfg.norm_topk_prob),
+        decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1) or 1,
+        mlp_only_layers=tuple(getattr(cfg, "mlp_only_layers", None) or ()),
+    )
+    if not 0 < spec.top_k <= spec.num_experts:
+        raise ValueError(
+            f"num_experts_per_tok {spec.top_k} must be in [1, num_experts={spec.num_experts}] (model config)"
+        )
+    return spec
+
+
+def routed_experts_dtype(num_experts: int) -> torch.dtype:
+    """vLLM's: uint8 while expert ids fit, else a wider integer (torch's uint16 lacks indexing ops: int32)."""
+    return torch.uint8 if num_experts <= 256 else torch.int32
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] fp32, expert ids [T, K] int64): Hugging Face's softmax (fp32) then top-k, renormalised when
+    norm_topk_prob."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def replay_route(
+    logits: torch.Tensor, own_ids: torch.Tensor, replay: torch.Tensor, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing with the experts of `replay` [T, K] (rows of -1: the router's own choice) and the weights the router's
+    probabilities give those experts (R3: the trainer's gradients still reach its router)."""
+    ids = torch.where(replay >= 0, replay.long(), own_ids)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, ids)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def combine_topk(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum over k of weights[:, k] * y[:, k] ([T, K, H] -> [T, H]), in fp32 and in top-k order: one fixed order per
+    token, whatever the batch."""
+    acc = y[:, 0].float() * weights[:, :1]
+    for k in range(1, y.shape[1]):
+        acc = acc + y[:, k].float() * weights[:, k : k + 1]
+    return acc.to(dtype)
+
+
+def experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    batch_invariant_mode: bool = False,
+) -> torch.Tensor:
+    """The experts in PyTorch: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, K] -> [T, H].
+
+    Differentiable (the trainer's forward); its per-expert loop reads the expert counts on the host."""
+    num_tokens, top_k = ids.shape
+    linear = batch_invariant.linear if batch_invariant_mode else F.linear
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = order[start : start + count]
+            h = silu_and_mul(linear(x[rows // top_k], w13[expert]))
+            outputs.append(linear(h, w2[expert]))
+            start += count
+    if not outputs:
+        return x.new_zeros(x.shape)
+    y = torch.cat(outputs)[torch.argsort(order)].view(num_tokens, top_k, -1)
+    return combine_topk(y, weights, x.dtype)
+
+
+class FusedExperts(nn.Module):
+    """The experts' weights, stacked: gate_up_proj [E * 2I, H], down_proj [E * H, I] (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
+
+    def w13(self) -> torch.Tensor:
+        return self.gate_up_proj.view(self.num_experts, 2 * self.intermediate_size, self.hidden_size)
+
+    def w2(self) -> torch.Tensor:
+        return self.down_proj.view(self.num_experts, self.hidden_size, self.intermediate_size)
+
+    def shard(self, expert: int, checkpoint_name: str) -> tuple[nn.Parameter, ShardSlice]:
+        """The parameter holding checkpoint tensor `experts.<expert>.<checkpoint_name>.weight` and where: a block of
+        its rows, the whole checkpoint tensor."""
+        size, hidden = self.intermediate_size, self.hidden_size
+        if checkpoint_name == "gate_proj":
+            param, first, rows = self.gate_up_proj, expert * 2 * size, size
+        elif checkpoint_name == "up_proj":
+            param, first, rows = self.gate_up_proj, expert * 2 * size + size, size
+        elif checkpoint_name == "down_proj":
+            param, first, rows = self.down_proj, expert * hidden, hidden
+        else:
+            raise KeyError(checkpoint_name)
+        return param, ShardSlice((rows, param.shape[1]), dim=0, start=0, length=rows, offset=first)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts of one decoder layer (Hugging Face's Qwen3MoeSparseMoeBlock: `gate`, `experts`)."""
+
+    def __init__(self, spec: MoESpec, hidden_size: int, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.gate = Linear(hidden_size, spec.num_experts, bias=False)
+        self.experts = FusedExperts(spec.num_experts, hidden_size, spec.intermediate_size)
+        self.batch_invariant = False  # set by DecoderForCausalLM.set_batch_invariant through the model's modules
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, ids = route(logits, self.spec.top_k, self.spec.norm_topk_prob)
+        if ctx.replay_experts is not None:
+            weights, ids = replay_route(logits, ids, ctx.replay_experts[:, self.layer_idx], self.spec.norm_topk_prob)
+        if ctx.routed_experts is not None:  # a static buffer (CUDA graphs): rows past this batch are left alone
+            ctx.routed_experts[: ids.shape[0], self.layer_idx] = ids.to(ctx.routed_experts.dtype)
+        if fused_kernels(x) is not None:
+            from rlserve.model.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.experts.w13(), self.experts.w2(), weights, ids, self.batch_invariant)
+        return experts_reference(x, self.experts.w13(), self.experts.w2(), weights, ids, self.batch_invariant)

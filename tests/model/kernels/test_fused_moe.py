@@ -1,0 +1,85 @@
+"""CPU checks of the fused MoE kernel (rlserve.model.kernels.fused_moe) under TRITON_INTERPRET=1: it computes what the
+PyTorch experts (rlserve.model.moe.experts_reference) compute, its token sort pads each expert's rows to whole blocks,
+and in batch-invariant mode a token's bits do not depend on the other tokens of the batch.
+
+interpret_helpers.py sets the interpreter up (or re-runs these checks in a fresh process where triton was imported
+before it could).
+"""
+
+from __future__ import annotations
+
+import interpret_helpers  # first: sets TRITON_INTERPRET before anything imports triton
+import pytest
+import torch
+
+interpret_helpers.require_triton()
+
+from rlserve.model.kernels.fused_moe import INVARIANT_TILES, align_by_expert, fused_moe  # noqa: E402
+from rlserve.model.moe import experts_reference, route  # noqa: E402
+
+interpreted = interpret_helpers.interpreted
+
+if not interpret_helpers.IN_PROCESS:
+
+    def test_in_fresh_process():
+        interpret_helpers.run_in_fresh_process(__file__)
+
+
+# Tails everywhere: H and I not multiples of the tile sizes, tokens not a multiple of BLOCK_M, unused experts.
+E, K, H, I = 6, 2, 72, 40  # noqa: E741
+
+
+def problem(num_tokens: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, H, generator=gen).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype)
+    logits = torch.randn(num_tokens, E, generator=gen)
+    logits[:, E - 1] = -30.0  # one expert no token picks
+    weights, ids = route(logits, K, norm_topk_prob=True)
+    return x, w13, w2, weights, ids
+
+
+@interpreted
+def test_align_pads_each_expert_to_whole_blocks() -> None:
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 3]])
+    block = 4
+    sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts=5, block_m=block)
+    # expert 0: pairs 1, 4; 1: 3; 2: 0, 2, 5, 6; 3: 7 -> one block each, padded with the sentinel 8.
+    assert int(num_padded) == 16
+    rows = sorted_pairs[:16].view(4, block).tolist()
+    assert rows == [[1, 4, 8, 8], [3, 8, 8, 8], [0, 2, 5, 6], [7, 8, 8, 8]]
+    assert block_experts[:4].tolist() == [0, 1, 2, 3]
+    assert (sorted_pairs[16:] == 8).all()
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 37])
+def test_fused_moe_matches_the_reference(dtype, num_tokens) -> None:
+    x, w13, w2, weights, ids = problem(num_tokens, dtype)
+    out = fused_moe(x, w13, w2, weights, ids)
+    expected = experts_reference(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == (num_tokens, H)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@interpreted
+def test_batch_invariant_tokens_do_not_depend_on_the_batch() -> None:
+    num_tokens = 2 * INVARIANT_TILES.block_m + 3
+    x, w13, w2, weights, ids = problem(num_tokens, torch.float32, seed=1)
+    full = fused_moe(x, w13, w2, weights, ids, batch_invariant=True)
+    for rows in (slice(0, 1), slice(3, 9), slice(num_tokens - 5, num_tokens)):
+        part = fused_moe(x[rows], w13, w2, weights[rows], ids[rows], batch_invariant=True)
+        assert torch.equal(part, full[rows]), rows
+
+
+@interpreted
+def test_bad_shapes_are_refused() -> None:
+    x, w13, w2, weights, ids = problem(3, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x[:, :-1], w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="must be"):
+        fused_moe(x, w13, w2, weights[:, :1], ids)
+    assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, H)
