@@ -149,13 +149,18 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, spec: DecoderSpec, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallelGroup, mlp: nn.Module
+        self,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup,
+        make_mlp: Callable[[int], nn.Module],
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx, rotary, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = mlp
+        self.mlp = make_mlp(layer_idx)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
@@ -184,7 +189,7 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, tp, make_mlp(i)) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary, tp, make_mlp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
