@@ -46,6 +46,7 @@ class FlagAlias:
 FLAG_ALIASES: tuple[FlagAlias, ...] = (
     FlagAlias("--no-prefix-caching", "enable_prefix_caching", False),
     FlagAlias("-dp", "data_parallel_size"),  # vLLM's short form
+    FlagAlias("-dpb", "data_parallel_backend"),  # vLLM's short form
 )
 
 

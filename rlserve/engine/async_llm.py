@@ -51,6 +51,11 @@ def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
     shared_cores=[(address, pid), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
     them. Returns once every core serves."""
     config = make_engine_config(model, **kwargs)
+    if config.data_parallel_backend == "ray":
+        raise ValueError(
+            "data_parallel_backend: ray is offered with one API server (its front end owns the core actors); leave "
+            "--api-server-count at 1, or use the mp backend"
+        )
     cores: list[CoreProcess] = []
     try:
         for rank in range(config.data_parallel_size):  # started together, waited for together
