@@ -98,8 +98,9 @@ class _SocketTransport:
 def run_engine_core(
     startup: CoreStartup, ready: multiprocessing.connection.Connection, stop: threading.Event | None = None
 ) -> None:
-    """The core process's main: build the engine, report ready (or the error), serve until told to stop: by SIGTERM,
-    or by `stop` where the caller owns the process (a Ray actor runs this on a thread of its own)."""
+    """The core process's main: build the engine, report ready (or the error) to `ready` (a pipe's end, or anything
+    with its send and close), serve until told to stop: by SIGTERM, or by `stop` where the caller owns the process (a
+    Ray actor runs this on a thread of its own)."""
     from rlserve.engine.core import EngineCore
     from rlserve.engine.core_service import EngineCoreService
     from rlserve.weight_transfer import WeightTransferEngineFactory
@@ -153,9 +154,8 @@ def run_engine_core(
             now = time.monotonic()
             if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
                 last_parent_check = now
-                if startup.parent_pid is not None and not pid_alive(
-                    startup.parent_pid
-                ):  # the front end died without shutting us down
+                # The front end died without shutting us down (a Ray actor's owner is watched by Ray instead).
+                if startup.parent_pid is not None and not pid_alive(startup.parent_pid):
                     logger.warning("the front-end process is gone; the engine core exits")
                     break
     finally:

@@ -5,6 +5,6 @@ from rlserve.engine.core_actor import import_ray
 
 import_ray("rlserve.ray")  # fails here, naming the extra, rather than deep inside the first call
 
-from rlserve.ray.engines import AsyncLLMActor, EngineGroup, create_engines  # noqa: E402
+from rlserve.ray.engines import AsyncLLMActor, EngineGroup, RayVLLMWeightSyncClient, create_engines  # noqa: E402
 
-__all__ = ["AsyncLLMActor", "EngineGroup", "create_engines"]
+__all__ = ["AsyncLLMActor", "EngineGroup", "RayVLLMWeightSyncClient", "create_engines"]

@@ -9,7 +9,9 @@ init_info to every engine (vLLM's `RayVLLMWeightSyncClient` does) with `world_si
 group.
 
 `EngineGroup` fans a call out to every engine and gathers the results: blocking methods for a script, and
-`submit(method, ...)` for the calls a trainer must overlap with its own side (the rendezvous, the broadcast).
+`submit(method, ...)` for the calls a trainer must overlap with its own side (the rendezvous, the broadcast). Its
+weight-sync part is vLLM 0.33's `RayVLLMWeightSyncClient`, which also drives engines the caller started (an
+AsyncLLMActor, or `ray.remote(LLM)` as vLLM's examples make them).
 """
 
 from __future__ import annotations
@@ -64,18 +66,19 @@ def _per_prompt(
     return list(sampling_params)
 
 
-class EngineGroup:
-    """N engine actors driven as one (see the module's doc); `actors` are the handles themselves."""
+class RayVLLMWeightSyncClient:
+    """vLLM 0.33's client of the weight-sync calls on engines that are Ray actors (one handle or a list: engines of
+    one group, each given the same init_info): every call goes to every engine and returns when all have answered.
+    The handles stay the caller's. `submit` starts a call without waiting, for what a trainer overlaps with its own
+    side (the rendezvous, the broadcast)."""
 
-    def __init__(self, actors: list[Any], placement_group: Any = None) -> None:
-        """`placement_group`: one the group created and removes on shutdown (None: the caller's, left alone)."""
+    def __init__(self, handle: Any) -> None:
         self.ray = connect_ray("rlserve.ray")
-        self.actors = actors
-        self._own_placement_group = placement_group
+        self.handles = list(handle) if isinstance(handle, (list, tuple)) else [handle]
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Start `method` on every engine; the ObjectRefs, one per engine (ray.get them, or pass them to `get`)."""
-        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        return [getattr(handle, method).remote(*args, **kwargs) for handle in self.handles]
 
     def get(self, refs: list[Any], timeout: float | None = None) -> list[Any]:
         return self.ray.get(refs, timeout=timeout)
@@ -84,16 +87,45 @@ class EngineGroup:
         """`method` on every engine at once; each engine's result, in order."""
         return self.get(self.submit(method, *args, **kwargs))
 
+    def get_world_size(self) -> int:
+        """The workers of every engine: the trainer's group has 1 + this ranks."""
+        return sum(self.call("get_world_size"))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.call("init_weight_transfer_engine", {"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.call("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.call("start_weight_update", is_checkpoint_format)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.call("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.call("finish_weight_update", weight_version)
+
+
+class EngineGroup(RayVLLMWeightSyncClient):
+    """N engine actors that `create_engines` started, driven as one: the weight-sync calls, and generation, pause
+    and shutdown (see the module's doc)."""
+
+    def __init__(self, handles: list[Any], placement_group: Any = None) -> None:
+        """`placement_group`: one the group created and removes on shutdown (None: the caller's, left alone)."""
+        super().__init__(handles)
+        self._own_placement_group = placement_group
+
     def generate(
         self, prompts: Sequence[Any], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """The prompts split in contiguous runs over the engines (a GRPO group sent as consecutive prompts stays on
         one engine, where its prefix is cached); the outputs in the prompts' order."""
         params = _per_prompt(prompts, sampling_params)
-        size = math.ceil(len(prompts) / len(self.actors)) or 1
+        size = math.ceil(len(prompts) / len(self.handles)) or 1
         refs = [
-            actor.generate_batch.remote(list(prompts[start : start + size]), params[start : start + size])
-            for actor, start in zip(self.actors, range(0, len(prompts), size), strict=False)
+            handle.generate_batch.remote(list(prompts[start : start + size]), params[start : start + size])
+            for handle, start in zip(self.handles, range(0, len(prompts), size), strict=False)
         ]
         return [out for outputs in self.get(refs) for out in outputs]
 
@@ -106,22 +138,6 @@ class EngineGroup:
     def is_paused(self) -> bool:
         return all(self.call("is_paused"))
 
-    def get_world_size(self) -> int:
-        """The workers of every engine: the trainer's group has 1 + this ranks."""
-        return sum(self.call("get_world_size"))
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.call("init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self.call("start_weight_update", is_checkpoint_format)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.call("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.call("finish_weight_update", weight_version)
-
     def get_weight_version(self) -> list[str]:
         return self.call("get_weight_version")
 
@@ -129,12 +145,12 @@ class EngineGroup:
         """Stop every engine (its core with it) and kill the actors; remove the placement group the group made."""
         ray = self.ray
         try:
-            ray.get([actor.shutdown.remote() for actor in self.actors], timeout=30)
+            ray.get([handle.shutdown.remote() for handle in self.handles], timeout=30)
         except ray.exceptions.RayError:
             pass  # an engine already dead: killed below all the same
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
+        for handle in self.handles:
+            ray.kill(handle)
+        self.handles = []
         if self._own_placement_group is not None:
             ray.util.remove_placement_group(self._own_placement_group)
             self._own_placement_group = None
@@ -165,7 +181,7 @@ def create_engines(
         bundle = {"GPU": 1} if on_gpu else {"CPU": 1}
         placement_group = own = new_placement_group([dict(bundle)] * num_engines, strategy="PACK")
     actor_class = ray.remote(AsyncLLMActor)
-    actors = [
+    handles = [
         actor_class.options(
             num_cpus=0 if on_gpu else 1,
             num_gpus=1 if on_gpu else 0,
@@ -175,7 +191,7 @@ def create_engines(
         ).remote(model, engine_index=i, **engine_kwargs)
         for i in range(num_engines)
     ]
-    group = EngineGroup(actors, own)
+    group = EngineGroup(handles, own)
     try:
         group.call("get_world_size")  # returns once every engine's constructor has
     except BaseException:

@@ -128,7 +128,7 @@ def test_data_parallel_on_ray_answers_as_one_core_and_one_broadcast_updates_both
 def test_two_engine_actors_take_one_broadcast_and_answer_as_a_fresh_engine(
     ray_cluster, qwen3_dir, qwen3_alt_dir, expected
 ):
-    from rlserve.ray import create_engines
+    from rlserve.ray import RayVLLMWeightSyncClient, create_engines
 
     engines = create_engines(str(qwen3_dir), 2, weight_transfer_config=NCCL, num_kv_blocks=64)
     # Each engine actor's process and its core's.
@@ -153,7 +153,8 @@ def test_two_engine_actors_take_one_broadcast_and_answer_as_a_fresh_engine(
         update = engines.submit("update_weights", {"update_info": trainer.update_info})
         trainer.send()
         engines.get(update, timeout=TIMEOUT_S)
-        engines.finish_weight_update(weight_version="step-1")
+        # vLLM 0.33's client on the same actors: what a 0.33 trainer engine drives.
+        RayVLLMWeightSyncClient(engines.handles).finish_weight_update(weight_version="step-1")
         engines.resume_generation()
 
         assert not engines.is_paused()
