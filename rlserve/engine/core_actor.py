@@ -80,9 +80,11 @@ class EngineCoreActor:
     def __init__(self, startup: CoreStartup, front_end_node_id: str) -> None:
         import ray
 
-        # The front end proposed an ipc address on its own node; on another node the core listens on TCP.
-        if ray.get_runtime_context().get_node_id() != front_end_node_id:
-            host = ray.util.get_node_ip_address()
+        # The front end proposed an ipc address on its own node; on another node the core listens on TCP, on the
+        # address the cluster knows this node by.
+        node_id = ray.get_runtime_context().get_node_id()
+        if node_id != front_end_node_id:
+            host = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
             startup = replace(startup, address=f"tcp://{_join_host(host)}:{_free_port(host)}")
         self.startup = startup
         self._ready = _ReadyQueue()

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ from process_tree import survivors
 from weight_transfer.test_engine_weight_update import _checkpoint, _free_port, _update_info
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
-from rlserve.engine.core_client import EngineDeadError
+from rlserve.engine.args import make_engine_config
+from rlserve.engine.core_actor import RayLauncher
+from rlserve.engine.core_client import EngineDeadError, MPClient
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
 ray = pytest.importorskip("ray")
@@ -38,8 +41,9 @@ def token_ids(outputs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """A local cluster of this module alone: 4 logical CPUs, for the two core actors and the two engine actors."""
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    """A local cluster of this module alone (never one RAY_ADDRESS names): 4 logical CPUs, for the two core actors
+    and the two engine actors."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -120,6 +124,31 @@ def test_data_parallel_on_ray_answers_as_one_core_and_one_broadcast_updates_both
         llm.shutdown()
     assert not survivors([core.pid for core in cores])
     assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
+
+
+def test_a_core_on_another_node_is_reached_over_tcp_and_start_errors_come_back(ray_cluster, qwen3_dir) -> None:
+    config = make_engine_config(str(qwen3_dir), data_parallel_backend="ray", num_kv_blocks=64)
+    launcher = RayLauncher(config)
+    launcher.node_id = "a node of its own"  # the front end as seen from elsewhere in the cluster
+    try:
+        # The rank's one bundle, taken in turn: a core that cannot start, then one that does.
+        too_small = MPClient(replace(config, num_kv_blocks=16), launcher.launch)
+        try:
+            with pytest.raises(ValueError, match=r"^the KV cache \(16 blocks of 16 tokens\) cannot hold one sequence"):
+                too_small.connect()  # the core's own error, raised here as a core process's is
+        finally:
+            too_small.shutdown()
+        client = MPClient(config, launcher.launch)
+        try:
+            assert client.connect()["max_model_len"] > 0
+            (node,) = ray.nodes()  # this machine, under the address Ray knows it by
+            assert client.process.address.startswith(f"tcp://{node['NodeManagerAddress']}:")
+            assert client.call("get_weight_version") == "default"
+        finally:
+            client.shutdown()
+    finally:
+        launcher.shutdown()
+    assert not survivors([too_small.process.pid, client.process.pid])
 
 
 # ---- rlserve.ray: engines as actors for a trainer ----
