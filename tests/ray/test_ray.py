@@ -170,7 +170,10 @@ def test_two_engine_actors_take_one_broadcast_and_answer_as_a_fresh_engine(
         assert token_ids(engines.generate(PROMPTS, GREEDY)) == expected["old"]
         assert engines.get_world_size() == 2
         engines.pause_generation(mode="keep")
+        # Requests sent while paused wait in each engine; the actors (async) answer the calls that follow meanwhile.
+        waiting = engines.submit("generate_batch", PROMPTS[:2], GREEDY)
         assert engines.is_paused()
+        assert ray.wait(waiting, timeout=1.0)[0] == []
 
         trainer = Trainer(qwen3_alt_dir)
         trainer.join(
@@ -188,6 +191,9 @@ def test_two_engine_actors_take_one_broadcast_and_answer_as_a_fresh_engine(
 
         assert not engines.is_paused()
         assert engines.get_weight_version() == ["step-1", "step-1"]
+        for outputs in engines.get(waiting, timeout=TIMEOUT_S):  # they ran after the update, on its weights
+            assert token_ids(outputs) == expected["new"][:2]
+            assert {v for o in outputs for v in o.outputs[0].weight_versions} == {"step-1"}
         assert token_ids(engines.generate(PROMPTS, GREEDY)) == expected["new"]
     finally:
         engines.shutdown()
