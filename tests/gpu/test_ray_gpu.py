@@ -1,5 +1,5 @@
 """`data_parallel_backend="ray"` on GPUs: each core actor on a bundle of one GPU, which Ray shows it as its cuda:0
-(skipped without two CUDA devices or without the `ray` extra). The CPU flow is in tests/ray/test_ray.py."""
+(skipped without two CUDA devices or without the `ray` extra). The CPU flow is in tests/on_ray/test_ray.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ placement group) and `rlserve.ray` (engines as Ray actors for a trainer script).
 
 Both run the same flows as their mp counterparts: DP=2 on Ray answers as one mp core does; one trainer broadcast
 (gloo) updates every rank or engine, which then answers as a fresh engine with the new weights does; shutdown leaves
-no actor, process or placement group behind.
+no actor, process or placement group behind. (The folder is not named `ray`: on the tests' import path a folder of
+that name would stand in for the package where it is not installed.)
 """
 
 from __future__ import annotations
