@@ -23,6 +23,7 @@ from weight_transfer.test_engine_weight_update import _checkpoint, _free_port, _
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
 from rlserve.engine.args import make_engine_config
+from rlserve.engine.async_llm import start_shared_cores
 from rlserve.engine.core_actor import RayLauncher
 from rlserve.engine.core_client import EngineDeadError, MPClient
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
@@ -216,3 +217,10 @@ def test_the_ray_backend_refuses_the_in_process_mode(qwen3_dir, monkeypatch) -> 
     monkeypatch.setenv("RLSERVE_ENABLE_MULTIPROCESSING", "0")
     with pytest.raises(ValueError, match="^data_parallel_backend: ray runs the engine cores as Ray actors"):
         LLM(str(qwen3_dir), data_parallel_backend="ray", num_kv_blocks=16)
+
+
+def test_several_api_servers_on_ray_are_refused(qwen3_dir) -> None:
+    """`rlserve serve --api-server-count N` shares its cores between processes, which Ray actors owned by one front
+    end cannot be: refused by name, before anything starts."""
+    with pytest.raises(ValueError, match="^data_parallel_backend: ray is offered with one API server"):
+        start_shared_cores(str(qwen3_dir), data_parallel_size=2, data_parallel_backend="ray")
