@@ -102,6 +102,13 @@ class EngineConfig:
         "engine cores behind the one front end (vLLM's option), each a process with a whole copy of the model: on "
         "CUDA core i runs on cuda:i; requests go to the least-loaded core, requests sharing a prefix to the same one",
     )
+    data_parallel_backend: str = _option(
+        "mp",
+        "how the data-parallel engine cores are started (vLLM's option): mp, processes of this host; ray, Ray actors "
+        "in a placement group of one bundle per rank (a GPU each on CUDA), across the nodes of the cluster "
+        "(RAY_ADDRESS, else a local one); needs the ray extra",
+        ("mp", "ray"),
+    )
     # Which of the data_parallel_size cores this config is for: set by the front end for each core it starts
     # (for_data_parallel_rank), never a flag (vLLM's --data-parallel-rank starts one core of an externally
     # load-balanced deployment, which rlserve does not offer).

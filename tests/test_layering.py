@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "engine": 3,
     "server": 4,
     "rl": 4,
+    "ray": 4,
     "cli": 5,
     "distributed": 5,
 }

@@ -47,6 +47,7 @@ FLAG_ALIASES: tuple[FlagAlias, ...] = (
     FlagAlias("--no-prefix-caching", "enable_prefix_caching", False),
     FlagAlias("-dp", "data_parallel_size"),  # vLLM's short form
     FlagAlias("-tp", "tensor_parallel_size"),
+    FlagAlias("-dpb", "data_parallel_backend"),  # vLLM's short form
 )
 
 

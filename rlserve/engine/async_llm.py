@@ -79,6 +79,11 @@ def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
             "data_parallel_lockstep: needs a single front end (--api-server-count 1): with several, the ranks "
             "could receive pause and resume calls in different orders"
         )
+    if config.data_parallel_backend == "ray":
+        raise ValueError(
+            "data_parallel_backend: ray is offered with one API server (its front end owns the core actors); leave "
+            "--api-server-count at 1, or use the mp backend"
+        )
     cores: list[CoreProcess] = []
     try:
         for rank in range(config.data_parallel_size):  # started together, waited for together

@@ -170,18 +170,40 @@ class InprocClient:
         self.service.core.shutdown()
 
 
+class ProcessLauncher:
+    """`data_parallel_backend="mp"`: each core a child process of this one (core_proc.py)."""
+
+    @staticmethod
+    def launch(config: EngineConfig) -> CoreProcess:
+        return CoreProcess(config, registered_backends(config))
+
+    def shutdown(self) -> None:
+        """Nothing of its own to stop: each core's client stops its process."""
+
+
+def make_launcher(config: EngineConfig) -> Any:
+    """What starts the engine cores of `config`: `launch(rank_config)` returns a handle on one core (its address
+    once `wait_ready` returned, `is_alive`, `death_reason`, `stopped`, `shutdown`), `shutdown()` stops what the
+    launcher holds for all of them."""
+    if config.data_parallel_backend == "ray":
+        from rlserve.engine.core_actor import RayLauncher  # Ray is an optional extra
+
+        return RayLauncher(config)
+    return ProcessLauncher()
+
+
 class MPClient:
-    """The core in a process of its own (started here), over a ZMQ DEALER socket."""
+    """The core in a process of its own (started here by `launch`, by default a child process), over a ZMQ DEALER
+    socket."""
 
     in_process = False
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.process = CoreProcess(config, registered_backends(config))
+    def __init__(self, config: EngineConfig, launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch) -> None:
+        self.process = launch(config)
         self.codec = Codec()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(self.process.address)
         self._outputs: list[EngineCoreOutput] = []
         self._results: dict[int, UtilityResult] = {}
         self._ids = itertools.count(1)
@@ -191,6 +213,7 @@ class MPClient:
     def connect(self) -> dict[str, Any]:
         """Wait for the core to start (the process was started by the constructor) and ask what it is."""
         self.process.wait_ready()
+        self.socket.connect(self.process.address)  # known once it serves: a Ray actor picks its own
         return self.call("engine_info")
 
     def _send(self, message) -> None:
@@ -258,13 +281,19 @@ class MPClient:
 
 
 def _check_data_parallel(config: EngineConfig) -> bool:
-    """Whether `config` asks for several cores (each then needs a process of its own)."""
+    """Whether `config` asks for the data-parallel client: several cores (each then needs a process of its own), or
+    cores that are Ray actors (their launcher, which holds the placement group, belongs to that client)."""
     if config.data_parallel_size > 1 and not multiprocessing_enabled():
         raise ValueError(
             f"data_parallel_size: {config.data_parallel_size} engine cores run in processes of their own; unset "
             "RLSERVE_ENABLE_MULTIPROCESSING=0 (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
         )
-    return config.data_parallel_size > 1
+    if config.data_parallel_backend == "ray" and not multiprocessing_enabled():
+        raise ValueError(
+            "data_parallel_backend: ray runs the engine cores as Ray actors, not in this process; unset "
+            "RLSERVE_ENABLE_MULTIPROCESSING=0 (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    return config.data_parallel_size > 1 or config.data_parallel_backend == "ray"
 
 
 def make_client(config: EngineConfig) -> Any:
@@ -400,18 +429,23 @@ class AsyncInprocClient(AsyncClientBase):
 
 
 class AsyncMPClient(AsyncClientBase):
-    """The core in another process: started here (`config`), or already running (`address` and `pid`, as for the
-    API server processes of `--api-server-count N`, which share one core)."""
+    """The core in another process: started here (`config`, by `launch`), or already running (`address` and `pid`,
+    as for the API server processes of `--api-server-count N`, which share one core)."""
 
     in_process = False
 
     def __init__(
-        self, config: EngineConfig | None = None, *, address: str | None = None, pid: int | None = None
+        self,
+        config: EngineConfig | None = None,
+        *,
+        address: str | None = None,
+        pid: int | None = None,
+        launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch,
     ) -> None:
         super().__init__()
-        self.process = CoreProcess(config, registered_backends(config)) if config is not None else None
-        self.address = self.process.address if self.process is not None else address
-        self.pid = self.process.pid if self.process is not None else pid
+        self.process = launch(config) if config is not None else None
+        self.address = address  # of a core started here: known once it serves (connect)
+        self.pid = pid
         self.codec = Codec()
         self.context: zmq.asyncio.Context | None = None
         self.socket: zmq.asyncio.Socket | None = None
@@ -422,6 +456,7 @@ class AsyncMPClient(AsyncClientBase):
         constructors of the front ends are synchronous)."""
         if self.process is not None:
             self.process.wait_ready()
+            self.address = self.process.address
         with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(self.address)

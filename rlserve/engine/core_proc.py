@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 import uuid
@@ -74,7 +75,7 @@ class CoreStartup:
 
     config: EngineConfig
     address: str
-    parent_pid: int
+    parent_pid: int | None  # the front end's, watched by the core; None for a Ray actor (Ray stops it with its owner)
     # Weight-transfer backends the front end registered by class ({name: "module:Class"}); the core registers them
     # too, so a backend registered before the engine was created works as in one process.
     extra_backends: dict[str, str]
@@ -96,21 +97,21 @@ class _SocketTransport:
         self.socket.send_multipart((client, self.codec.encode(status)), copy=False)
 
 
-def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Connection) -> None:
-    """The core process's main: build the engine, report ready (or the error), serve until told to stop."""
+def run_engine_core(
+    startup: CoreStartup, ready: multiprocessing.connection.Connection, stop: threading.Event | None = None
+) -> None:
+    """The core process's main: build the engine, report ready (or the error) to `ready` (a pipe's end, or anything
+    with its send and close), serve until told to stop: by SIGTERM, or by `stop` where the caller owns the process (a
+    Ray actor runs this on a thread of its own)."""
     from rlserve.engine.core import EngineCore
     from rlserve.engine.core_service import EngineCoreService
     from rlserve.weight_transfer import WeightTransferEngineFactory
 
-    # The front end handles Ctrl-C and shuts the core down; the core must not die half-way through a step first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    shutdown_requested = False
-
-    def on_sigterm(signum, frame) -> None:
-        nonlocal shutdown_requested
-        shutdown_requested = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    if stop is None:
+        # The front end handles Ctrl-C and shuts the core down; the core must not die half-way through a step first.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     configure_logging(startup.log_level)
     started = time.monotonic()
     try:
@@ -147,7 +148,7 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
         poller.register(link.socket, zmq.POLLIN)
     last_parent_check = time.monotonic()
     try:
-        while not shutdown_requested:
+        while not stop.is_set():
             timeout = int(service.input_timeout_s() * 1000)
             while ready_sockets := dict(poller.poll(timeout)):
                 if link is not None and link.socket in ready_sockets:
@@ -171,7 +172,8 @@ def run_engine_core(startup: CoreStartup, ready: multiprocessing.connection.Conn
             now = time.monotonic()
             if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
                 last_parent_check = now
-                if not pid_alive(startup.parent_pid):  # the front end died without shutting us down
+                # The front end died without shutting us down (a Ray actor's owner is watched by Ray instead).
+                if startup.parent_pid is not None and not pid_alive(startup.parent_pid):
                     logger.warning("the front-end process is gone; the engine core exits")
                     break
     finally:
@@ -187,7 +189,7 @@ class CoreProcess:
     lives, stop it."""
 
     def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
-        self.address = f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
+        self.address = core_address()
         context = _fork_server_context()
         reader, writer = context.Pipe(duplex=False)
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
@@ -223,9 +225,7 @@ class CoreProcess:
             reader.close()
         if status != "ready":
             self.process.join(10)
-            # The core's own message ("ValueError: model: ..."), re-raised as what it was where it is recognisable.
-            kind, _, message = detail.partition(": ")
-            raise (ValueError if kind == "ValueError" else RuntimeError)(message if kind == "ValueError" else detail)
+            raise startup_error(detail)
         logger.info(
             "engine core (pid %d) serving %.1f s after it was started (%.1f s of it building the engine; waited "
             "%.1f s for it)",
@@ -271,9 +271,26 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        path = self.address.removeprefix("ipc://")
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_address(self.address)
+
+
+def startup_error(detail: str) -> Exception:
+    """The core's own message of why it did not start ("ValueError: model: ..."), as what it was where that is
+    recognisable."""
+    kind, _, message = detail.partition(": ")
+    return ValueError(message) if kind == "ValueError" else RuntimeError(detail)
+
+
+def core_address() -> str:
+    """A fresh address for a core on this host."""
+    return f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
+
+
+def remove_address(address: str) -> None:
+    """Remove the socket file of an ipc address a core bound (the core may have been killed before it could)."""
+    path = address.removeprefix("ipc://")
+    if address.startswith("ipc://") and os.path.exists(path):
+        os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -33,7 +33,14 @@ from typing import Any
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_client import LIVENESS_INTERVAL_S, AsyncMPClient, EngineDeadError, MPClient, raise_for
+from rlserve.engine.core_client import (
+    LIVENESS_INTERVAL_S,
+    AsyncMPClient,
+    EngineDeadError,
+    MPClient,
+    make_launcher,
+    raise_for,
+)
 from rlserve.engine.dp_lockstep import free_port
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, UtilityResult
 
@@ -197,10 +204,13 @@ class _DPClientBase:
 
     in_process = False
 
-    def __init__(self, config: EngineConfig, make_rank: Callable[[EngineConfig], Any]) -> None:
+    def __init__(self, config: EngineConfig, make_rank: Callable[[EngineConfig], Any], launcher: Any = None) -> None:
+        """`launcher`: what started the ranks' cores (make_launcher), stopped after them; None for cores that
+        another process started."""
         self.router = DPRouter(config.data_parallel_size)
         if config.data_parallel_lockstep and config.data_parallel_master_port == 0:
             config = replace(config, data_parallel_master_port=free_port(config.data_parallel_master_ip))
+        self.launcher = launcher
         self.ranks: list[Any] = []
         try:
             for rank in range(config.data_parallel_size):  # every core starts now, in parallel; connect waits
@@ -237,13 +247,16 @@ class _DPClientBase:
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()
+        if self.launcher is not None:
+            self.launcher.shutdown()
 
 
 class DPMPClient(_DPClientBase):
     """`LLM`'s client of `data_parallel_size` core processes: one `MPClient` per rank, read through one poller."""
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config, MPClient)
+        launcher = make_launcher(config)
+        super().__init__(config, lambda rank_config: MPClient(rank_config, launcher.launch), launcher)
         self.poller = zmq.Poller()
         for rank in self.ranks:
             self.poller.register(rank.socket, zmq.POLLIN)
@@ -298,11 +311,13 @@ class DPAsyncMPClient(_DPClientBase):
     """`AsyncLLM`'s client of `data_parallel_size` core processes: one `AsyncMPClient` per rank on one event loop.
     The outputs of every rank reach `on_outputs`; the death of any core is the engine's (`on_dead`)."""
 
-    def __init__(
-        self, config: EngineConfig, make_rank: Callable[[EngineConfig], AsyncMPClient] = AsyncMPClient
-    ) -> None:
+    def __init__(self, config: EngineConfig, make_rank: Callable[[EngineConfig], AsyncMPClient] | None = None) -> None:
         """`make_rank`: the client of one rank's core, given its config (by default it starts the core)."""
-        super().__init__(config, make_rank)
+        if make_rank is not None:
+            super().__init__(config, make_rank)
+        else:
+            launcher = make_launcher(config)
+            super().__init__(config, lambda rank_config: AsyncMPClient(rank_config, launch=launcher.launch), launcher)
         self.on_outputs: Callable[[list[EngineCoreOutput]], None] = lambda outputs: None
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead: str | None = None

@@ -1,5 +1,7 @@
 """`vllm.distributed.weight_transfer` (0.33) as rlserve provides it."""
 
+from typing import Any
+
 from rlserve.distributed.weight_transfer.base import (
     ModuleSource,
     ParamMeta,
@@ -10,14 +12,13 @@ from rlserve.distributed.weight_transfer.base import (
     WeightSource,
     WeightTransferEngine,
 )
-from rlserve.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient
+from rlserve.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from rlserve.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 __all__ = [
     "HTTPVLLMWeightSyncClient",
     "ModuleSource",
     "ParamMeta",
-    "RayVLLMWeightSyncClient",
     "Replicate",
     "Shard",
     "TrainerWeightTransferEngine",
@@ -27,3 +28,11 @@ __all__ = [
     "WeightTransferEngineFactory",
     "WeightTransferTrainerFactory",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RayVLLMWeightSyncClient":  # the `ray` extra's, imported only when asked for
+        from rlserve.distributed.weight_transfer import clients
+
+        return clients.RayVLLMWeightSyncClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
