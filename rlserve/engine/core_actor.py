@@ -24,6 +24,7 @@ from typing import Any
 from rlserve.config import EngineConfig
 from rlserve.engine.core_client import registered_backends
 from rlserve.engine.core_proc import (
+    EXIT_PEER_LOST,
     EXIT_STEP_FAILED,
     STARTUP_TIMEOUT_S,
     CoreStartup,
@@ -178,6 +179,8 @@ class RayCore:
             return f"{self._name()} was stopped"
         if code == EXIT_STEP_FAILED:
             return f"{self._name()} died (an engine step failed; the traceback is in its log)"
+        if code == EXIT_PEER_LOST:
+            return f"{self._name()} died (a data-parallel peer it steps in lockstep with was gone)"
         return f"{self._name()} died ({code if isinstance(code, str) else f'exit code {code}'})"
 
     @property
@@ -209,7 +212,8 @@ class RayLauncher:
         from ray.util.placement_group import placement_group
 
         self.on_gpu = config.device.startswith("cuda")
-        bundle = {"GPU": 1} if self.on_gpu else {"CPU": 1}
+        # A rank's GPUs: one per tensor-parallel rank (its followers run in the actor's own placement).
+        bundle = {"GPU": config.tensor_parallel_size} if self.on_gpu else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle)] * config.data_parallel_size, strategy="PACK")
         self.cores: list[RayCore] = []
         try:
