@@ -17,6 +17,7 @@ _EXPORTS = {
     "Logprob": "rlserve.outputs",
     "RequestOutput": "rlserve.outputs",
     "RequestOutputKind": "rlserve.sampling_params",
+    "RetryableRequestError": "rlserve.engine.core_client",
     "SamplingParams": "rlserve.sampling_params",
     "WeightTransferConfig": "rlserve.config",
     "WeightTransferInitRequest": "rlserve.weight_transfer.base",

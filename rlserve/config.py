@@ -14,6 +14,9 @@ LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *MODEL_DTYPES)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM's --load-format values that rlserve implements: "auto" and "safetensors" read the checkpoint's safetensors
+# files; "dummy" reads none (random weights of the right shapes) for a trainer that pushes the real ones first.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,12 @@ class EngineConfig:
     # (for_data_parallel_rank), never a flag (vLLM's --data-parallel-rank starts one core of an externally
     # load-balanced deployment, which rlserve does not offer).
     data_parallel_rank: int = field(default=0, metadata={"help": "index of this engine core among the DP ranks"})
+    load_format: str = _option(
+        "auto",
+        "how the weights are loaded (vLLM's option): auto/safetensors read the checkpoint; dummy starts with random "
+        "weights and reads none, for a trainer that sends the real ones first (or collective_rpc reload_weights)",
+        LOAD_FORMATS,
+    )
     revision: str | None = _option(
         None, "branch, tag or commit of a Hugging Face hub model (default: main); ignored for a directory"
     )

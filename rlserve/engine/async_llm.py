@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,6 @@ from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
-    RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
     make_async_client,
@@ -118,7 +118,7 @@ class AsyncLLM(EngineFrontEnd):
             error = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.queue.put_nowait(out if error is None else RequestRefusedError(error))
+                stream.queue.put_nowait(out if error is None else error)
         if to_abort:
             self.client.abort(to_abort)
 
@@ -137,6 +137,12 @@ class AsyncLLM(EngineFrontEnd):
         """Why the core refuses generation (its weights are incomplete), as it last told this front end; None
         while it serves. Read without a call: the core may be inside a long weight transfer."""
         return self.client.not_serving
+
+    @property
+    def rejecting_new_requests(self) -> bool:
+        """A pause in mode abort or wait refuses new requests (RetryableRequestError) until resume, as the core last
+        told this front end."""
+        return self.client.rejecting_new_requests
 
     async def generate(
         self,
@@ -203,7 +209,13 @@ class AsyncLLM(EngineFrontEnd):
         mode = resolve_pause_mode(mode, wait_for_inflight_requests)
         affected = list(self._streams.values())
         await self._call("pause", mode, clear_cache)
-        if mode != "keep":
+        if mode == "keep":
+            # The core sent the last tokens before its answer: their consumers take them before pause returns, so
+            # that none is read between the pause and the resume.
+            deadline = time.monotonic() + STREAM_DRAIN_TIMEOUT_S
+            while any(s.queue.qsize() for s in affected) and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+        else:
             # Streams that this pause ended are read to their end before pause returns.
             pending = [s.done.wait() for s in affected if not s.done.is_set() and s.queue.qsize()]
             if pending:

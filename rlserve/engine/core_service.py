@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 ClientId = Hashable
 IDLE_POLL_S = 0.05
+PAUSED_REFUSAL = "generation is paused (mode abort or wait); retry after it resumes"
 BACKGROUND_POLL_S = 0.005
 
 
@@ -87,7 +88,7 @@ class EngineCoreService:
         self.num_background = 0
         self.failure: BaseException | None = None  # a step raised: requests were aborted, the core is unusable
         self.clients: set[ClientId] = set()  # every front end seen, for status changes
-        self.status = EngineStatus(None)  # as last sent
+        self.status = EngineStatus(None, False)  # as last sent
 
     # ---- the loop ----
 
@@ -108,12 +109,12 @@ class EngineCoreService:
         self._handle(client, message)
 
     def _publish_status(self) -> None:
-        """Tell every front end when the core starts or stops refusing generation: only control calls (a weight
-        update, sleep, an abandoned update) change that. Sent before the call's result, so that the caller's front
-        end knows the new status by the time the call returns."""
-        not_serving = self.core.not_serving()
-        if not_serving != self.status.not_serving:
-            self.status = EngineStatus(not_serving)
+        """Tell every front end when the core starts or stops refusing generation or new requests: only control
+        calls (a weight update, sleep, a pause, an abandoned update) change that. Sent before the call's result, so
+        that the caller's front end knows the new status by the time the call returns."""
+        status = EngineStatus(self.core.not_serving(), self.core.rejecting_new_requests)
+        if status != self.status:
+            self.status = status
             for client in self.clients:
                 self.transport.send_status(client, self.status)
 
@@ -156,10 +157,13 @@ class EngineCoreService:
             self._route(self._refused(message.request_ids))
             return
         not_serving = self.core.not_serving()
-        if not_serving is not None:
+        if not_serving is not None or self.core.rejecting_new_requests:
             for request_id in message.request_ids:
                 self.owners[request_id] = client
-            self._route(self._refused(message.request_ids, f"generation refused: {not_serving}"))
+            if not_serving is not None:
+                self._route(self._refused(message.request_ids, f"generation refused: {not_serving}"))
+            else:
+                self._route(self._refused(message.request_ids, PAUSED_REFUSAL, retryable=True))
             return
         prompt = decode_token_ids(message.prompt_token_ids)
         for request_id, params in zip(message.request_ids, message.params, strict=True):
@@ -170,9 +174,14 @@ class EngineCoreService:
                 logger.exception("refused request %s", request_id)
                 self._route(self._refused([request_id]))
 
-    def _refused(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
+    def _refused(
+        self, request_ids: list[str], error: str | None = None, retryable: bool = False
+    ) -> list[EngineCoreOutput]:
         version = self.core.weight_version
-        return [EngineCoreOutput(rid, [], [], None, version, "abort", error=error) for rid in request_ids]
+        return [
+            EngineCoreOutput(rid, [], [], None, version, "abort", error=error, error_retryable=retryable)
+            for rid in request_ids
+        ]
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:
         if not outputs:
@@ -201,9 +210,12 @@ class EngineCoreService:
         try:
             value = method(self, client, call, *call.args)
         except BaseException as e:
+            self._route(self.core.take_pending_outputs())
             self._publish_status()
             self.transport.send_result(client, error_result(call.call_id, e))
             return
+        # Outputs of a step the call read back go out before its result (a keep-pause's last tokens included).
+        self._route(self.core.take_pending_outputs())
         self._publish_status()
         if value is not _DEFERRED:
             self.transport.send_result(client, UtilityResult(call.call_id, value))

@@ -15,7 +15,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import (
     EngineDeadError,
-    RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
     make_client,
@@ -290,7 +289,7 @@ class LLM(EngineFrontEnd):
                     if index is None:  # a late output of an earlier call's aborted request
                         continue
                     if error is not None:
-                        raise RequestRefusedError(error)
+                        raise error
                     results[index] = out
                     remaining -= 1
                     num_tokens += sum(len(c.token_ids) for c in out.outputs)

@@ -14,6 +14,9 @@ from rlserve.dtypes import TORCH_DTYPES
 from rlserve.model.layers import RotaryEmbedding
 from rlserve.model.models import SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 
+DUMMY_WEIGHTS_RANGE = 1e-3  # vLLM's initialize_dummy_weights bounds
+DUMMY_WEIGHTS_SEED = 1234  # and its seed
+
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:
     path = Path(model_dir)
@@ -73,12 +76,27 @@ def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device)
     return model.eval()
 
 
+def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHTS_SEED) -> None:
+    """vLLM's dummy load format: every weight uniform in +-DUMMY_WEIGHTS_RANGE, from a fixed seed (the same dummy
+    model each start), so that the engine runs (meaninglessly) until real weights are pushed or reloaded."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for _, param in model.named_parameters():
+        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+            -DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generator
+        )
+        param.data.copy_(values)
+
+
 def load_model(
-    model_dir: str, dtype: str | torch.dtype, device: torch.device
+    model_dir: str, dtype: str | torch.dtype, device: torch.device, load_format: str = "auto"
 ) -> tuple[DecoderForCausalLM, PretrainedConfig]:
-    """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's)."""
+    """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's). load_format "dummy": random
+    weights of the right shapes, no checkpoint read (the config still comes from `model_dir`)."""
     cfg = load_hf_config(model_dir)
     model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+        return model, cfg
     names = {name for name, _ in model.checkpoint_weights()}
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):

@@ -24,7 +24,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
+from rlserve.engine.core_client import RequestRefusedError
+from rlserve.engine.core_service import PAUSED_REFUSAL
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
@@ -267,6 +269,8 @@ class OpenAIServing:
         not_serving = self.engine.not_serving
         if not_serving is not None:
             raise APIError(503, f"generation refused: {not_serving}")
+        if self.engine.rejecting_new_requests:
+            raise APIError(503, PAUSED_REFUSAL)
 
     async def _generate(
         self, request_id: str, prompts: list[ValidatedPrompt], raw: Request

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.messages import SLEEP_MODES
+from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -112,6 +112,22 @@ def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
     if not os.path.isdir(real):
         raise APIError(400, f"weight_dir: {weight_dir!r} is not a directory", "weight_dir")
     return real
+
+
+def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collection[str]) -> None:
+    """reload_weights over HTTP: by keyword only, and a `weights_path` only under an allowed directory (as
+    /update_weights {"weight_dir"}): the caller must not make the server read any directory it can name."""
+    keywords = ["weights_path", "is_checkpoint_format"]
+    if body.args:
+        raise APIError(400, f"args: reload_weights takes keywords over HTTP ({keywords})", "args")
+    unknown = sorted(set(body.kwargs) - set(keywords))
+    if unknown:
+        raise APIError(400, f"kwargs: reload_weights over HTTP takes {keywords}, not {unknown}", "kwargs")
+    path = body.kwargs.get("weights_path")
+    if path is not None:
+        if not isinstance(path, str):
+            raise APIError(400, f"kwargs: weights_path must be a string, got {path!r}", "kwargs")
+        body.kwargs["weights_path"] = _allowed_weight_dir(path, allowed_weight_dirs)
 
 
 def build_rl_router(
@@ -238,10 +254,12 @@ def build_rl_router(
         # Only the methods of the server's --worker-extension-cls, never the worker's own attributes: the caller
         # names code the operator installed, it cannot reach into the engine.
         method = body.method
-        allowed = engine.worker_extension_methods()
+        allowed = engine.worker_extension_methods() | set(ENGINE_RPC_METHODS)
         if method not in allowed:
             message = f"method: {method!r} is not a method of the worker extension (callable: {sorted(allowed)})"
             raise APIError(400, message, "method")
+        if method == "reload_weights":
+            _check_reload_args(body, allowed_weight_dirs)
         for earlier, running in list(timed_out_rpcs.items()):
             if running.done():
                 del timed_out_rpcs[earlier]

@@ -9,7 +9,10 @@ tokens in wait mode.
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -99,8 +102,96 @@ def test_pause_keep_freezes_streams_until_resume(server: Server, rl: RLServeClie
         assert stream.only.num_tokens == max_tokens and len(stream.only.weight_versions) == max_tokens
 
 
-@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
-def test_request_sent_while_paused_runs_after_resume(server: Server, rl: RLServeClient, mode: str) -> None:
+class RawStream:
+    """A streaming completion read straight off its socket, so that a test can take exactly what has arrived so far
+    without waiting for more. HTTP/1.0: the body is the SSE bytes themselves, with no chunked framing."""
+
+    def __init__(self, server: Server, body: dict) -> None:
+        url = httpx.URL(server.url)
+        self.sock = socket.create_connection((url.host, url.port), timeout=STREAM_TIMEOUT_S)
+        payload = json.dumps({**body, "stream": True}).encode()
+        head = f"POST /v1/completions HTTP/1.0\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
+        self.sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        self.pending = b""
+        self.in_body = False
+        self.stream = Stream()
+        self.closed = False
+
+    def _take(self, data: bytes) -> None:
+        self.closed = self.closed or not data
+        self.pending += data
+        if not self.in_body and b"\r\n\r\n" in self.pending:
+            status, self.pending = self.pending.split(b"\r\n\r\n", 1)
+            assert status.startswith(b"HTTP/1.1 200") or status.startswith(b"HTTP/1.0 200"), status
+            self.in_body = True
+        while self.in_body and b"\n\n" in self.pending:
+            event, self.pending = self.pending.split(b"\n\n", 1)
+            for line in event.decode().splitlines():
+                if line.startswith("data: "):
+                    self.stream.add(line[len("data: ") :])
+
+    def read_available(self) -> None:
+        """Everything that has reached this socket, without waiting."""
+        self.sock.setblocking(False)
+        try:
+            while not self.closed:
+                self._take(self.sock.recv(1 << 16))
+        except BlockingIOError:
+            pass
+        finally:
+            self.sock.settimeout(STREAM_TIMEOUT_S)
+
+    def read_until(self, done: Callable[[Stream], bool]) -> None:
+        while not done(self.stream):
+            assert not self.closed, "the stream ended early"
+            self._take(self.sock.recv(1 << 16))
+
+
+def test_no_token_reaches_the_client_after_keep_pause_returns(server: Server, rl: RLServeClient) -> None:
+    """vLLM 0.33's contract, on the client's side of the wire: what the server sent before answering /pause is in
+    the client's socket by then (loopback), so it is all taken at once when /pause returns; nothing may follow it
+    until /resume (with async scheduling, the step in flight used to deliver one more token)."""
+    max_tokens = 400
+    raw = RawStream(server, {"model": MODEL_NAME, "prompt": "keep contract", "max_tokens": max_tokens, **GREEDY})
+    try:
+        for _ in range(3):
+            raw.read_until(lambda s, seen=raw.stream.tokens_so_far: s.tokens_so_far >= seen + 3)
+            rl.pause(mode="keep", clear_cache=False)
+            raw.read_available()
+            frozen = raw.stream.tokens_so_far
+            time.sleep(0.3)
+            raw.read_available()
+            assert raw.stream.tokens_so_far == frozen, "a token arrived after /pause?mode=keep returned"
+            rl.resume()
+        raw.read_until(lambda s: s.done_markers == 1)
+    finally:
+        raw.sock.close()
+    assert raw.stream.only.num_tokens == max_tokens and raw.stream.only.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_request_sent_while_paused_is_refused_retryable(server: Server, rl: RLServeClient, mode: str) -> None:
+    """vLLM 0.33: a pause in mode abort or wait refuses new requests with 503 and a retryable error until resume
+    (keep still queues them); streams too are refused before they start."""
+    body = {"model": MODEL_NAME, "prompt": f"sent while paused ({mode})", "max_tokens": 8, **GREEDY}
+    with server.client() as http:
+        rl.pause(mode=mode)
+        for stream in (False, True):
+            response = http.post("/v1/completions", json={**body, "stream": stream})
+            assert response.status_code == 503, response.text
+            error = response.json()["error"]
+            assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+            assert "paused" in error["message"] and "retry" in error["message"]
+        rl.resume()
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 8
+
+
+def test_request_sent_while_keep_paused_runs_after_resume(server: Server, rl: RLServeClient) -> None:
+    mode = "keep"
+
     async def go() -> dict:
         async with server.async_client() as http, rl_async(server) as control:
             await control.pause(mode=mode)
