@@ -12,6 +12,8 @@ __version__ = "0.1.0"  # the one source of the version: pyproject reads it, and 
 _EXPORTS = {
     "LLM": "rlserve.engine.llm",
     "AsyncLLM": "rlserve.engine.async_llm",
+    "AsyncEngineArgs": "rlserve.engine.args",
+    "EngineArgs": "rlserve.engine.args",
     "CompletionOutput": "rlserve.outputs",
     "EngineConfig": "rlserve.config",
     "Logprob": "rlserve.outputs",

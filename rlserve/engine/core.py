@@ -79,6 +79,7 @@ class EngineCore:
         self._snapshot: dict[str, torch.Tensor] | None = None  # weight_update_snapshot's buffers, kept for reuse
         self._snapshot_valid = False  # they hold the weights of the update in progress's start
         self.asleep = False
+        self.sleep_level = 0  # the deepest level since it fell asleep
         self._pause_before_sleep = PauseState.UNPAUSED
         self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
         self._pending_outputs: list[EngineCoreOutput] = []  # read back by _drain, returned by the next step
@@ -349,6 +350,8 @@ class EngineCore:
         if not self.asleep:
             self._pause_before_sleep = self.scheduler.pause_state
             self.asleep = True
+            self.sleep_level = level
+        self.sleep_level = max(self.sleep_level, level)
         self.scheduler.pause_state = PauseState.PAUSED_ALL
         if level >= 1:
             self.clear_cache()  # running requests give their blocks back; they recompute after wake_up
@@ -357,19 +360,28 @@ class EngineCore:
         if level == 2:
             self._mark_unwritten(set(self.runner.weight_names), "sleep(level=2) released them")
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back what sleep released: `tags` any of "weights", "kv_cache", "scheduling" (default: all).
-        Scheduling resumes only once weights and KV cache are both back."""
+        As in vLLM 0.33, scheduling resumes (and the engine is awake) as soon as weights and KV cache are both back;
+        "scheduling" alone wakes a sleep of level 0. Returns whether the engine is awake."""
         tags = list(WAKE_UP_TAGS) if tags is None else list(tags)
         unknown = [t for t in tags if t not in WAKE_UP_TAGS]
         if unknown:
             raise ValueError(f"tags: unknown wake_up tags {unknown}; expected a subset of {list(WAKE_UP_TAGS)}")
+        if self.asleep:
+            self.runner.restore(weights="weights" in tags, kv_cache="kv_cache" in tags)
+            if self.runner.weights_resident and self.runner.kv_cache_resident:
+                self.scheduler.pause_state = self._pause_before_sleep
+                self.asleep = False
+        return not self.asleep
+
+    @property
+    def sleep_state(self) -> str:
+        """vLLM's engine_sleep_state, in words: "awake", "weights_offloaded" (level 1), "discard_all" (level 2), or
+        "scheduling_paused" (level 0)."""
         if not self.asleep:
-            return
-        self.runner.restore(weights="weights" in tags, kv_cache="kv_cache" in tags)
-        if "scheduling" in tags and self.runner.weights_resident and self.runner.kv_cache_resident:
-            self.scheduler.pause_state = self._pause_before_sleep
-            self.asleep = False
+            return "awake"
+        return ("scheduling_paused", "weights_offloaded", "discard_all")[self.sleep_level]
 
     def is_sleeping(self) -> bool:
         return self.asleep
@@ -512,8 +524,8 @@ class EngineCore:
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's collective_rpc: run `method` on every worker (rlserve has one) between steps; one result per
         worker. What it changes behind the engine's back (weights, say) is its own affair: a method that writes
-        weights should be followed by reset_prefix_cache, as in vLLM. vLLM's own worker methods `update_config`
-        and `reload_weights` run on the core, which keeps its bookkeeping of the weights right."""
+        weights should be followed by reset_prefix_cache, as in vLLM. vLLM's own worker methods `update_config`,
+        `reload_weights` and `reset_weights` run on the core, which keeps its bookkeeping of the weights right."""
         self._drain()
         if isinstance(method, str) and method in ENGINE_RPC_METHODS:
             return [getattr(self, method)(*args, **(kwargs or {}))]
@@ -560,6 +572,16 @@ class EngineCore:
                 "collective_rpc('update_config', args=({'load_config': {'load_format': 'auto'}},))"
             )
         self.load_weights_from_dir(weights_path or self.config.model, "weights_path")
+
+    def reset_weights(self) -> None:
+        """vLLM's weight-checker reset: every weight zeroed, to check that the next update writes them all. rlserve
+        refuses generation (not_serving) until writes cover them again, rather than serve from zeros."""
+        self._require_weights("reset_weights")
+        with self.runner.on_device():
+            for _, tensor in self.runner.model.checkpoint_weights():
+                tensor.zero_()
+        self._mark_unwritten(set(self.runner.weight_names), "the weight checker's reset zeroed them")
+        self.kv_cache.reset_prefix_cache()
 
     def load_weights_direct(self, weights, reset_prefix_cache: bool = True) -> int:
         """Write checkpoint-format tensors straight into the model. `reset_prefix_cache=False` keeps KV computed

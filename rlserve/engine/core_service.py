@@ -305,6 +305,7 @@ class EngineCoreService:
             prefix_cache_queries=core.kv_cache.prefix_queries,
             prefix_cache_hits=core.kv_cache.prefix_hits,
             is_paused=core.is_paused(),
+            sleep_state=core.sleep_state,
             weight_version=core.weight_version,
             num_unwritten_weights=len(core.unwritten_weights),
             # vLLM's CacheConfig fields that rlserve has, under vLLM's names (vllm:cache_config_info's labels)

@@ -304,9 +304,10 @@ class LLM(EngineFrontEnd):
         cache, level 2 drops both (update every weight after waking), level 0 only stops scheduling."""
         self.client.call("sleep", level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back "weights", "kv_cache" and "scheduling" (default: all)."""
-        self.client.call("wake_up", tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back "weights", "kv_cache" and "scheduling" (default: all); whether the engine is awake (as soon as
+        weights and KV cache are both back)."""
+        return self.client.call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
         return self.client.call("is_sleeping")

@@ -43,7 +43,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_MODES = ("abort", "keep")
 # vLLM's own worker methods that collective_rpc reaches (by name, over HTTP too): the core runs them itself, since
 # they change what it keeps track of (its config, the weights written).
-ENGINE_RPC_METHODS = ("update_config", "reload_weights")
+ENGINE_RPC_METHODS = ("update_config", "reload_weights", "reset_weights")
 
 
 def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:

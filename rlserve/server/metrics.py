@@ -35,6 +35,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # vLLM labels its engine series with the model and the engine index; rlserve has one engine core.
 ENGINE_INDEX = "0"
 ENGINE_LABELS = ("model_name", "engine")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state's (level 0: all at 0)
 
 # vLLM's buckets (vllm/v1/metrics/buckets.py), so histograms from both engines can be compared and aggregated.
 TTFT_BUCKETS = (
@@ -88,6 +89,15 @@ class _EngineCollector:
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the engine's cache config.", labels=config)
         info.add_metric(list(config.values()), 1.0)
         yield info
+        sleep = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            labels=(*ENGINE_LABELS, "sleep_state"),
+        )
+        for state in SLEEP_STATES:
+            sleep.add_metric([*self.label_values, state], float(stats["sleep_state"] == state))
+        yield sleep
         yield self._family(gauge, "rlserve_is_paused", "1 while generation is paused.", float(stats["is_paused"]))
         incomplete = float(stats["num_unwritten_weights"] > 0)
         yield self._family(

@@ -80,7 +80,7 @@ class ChecksumsBody(OpenAIBaseModel):
 
 class WeightCheckerRequest(OpenAIBaseModel):
     action: Literal["checksum", "compare", "reset"]
-    # compare's expected checksums: a map of them, or a checksum response; none: the ones kept by action=checksum
+    # compare's expected checksums (required): a map of them, or a checksum response
     baseline: dict[str, StrictStr] | ChecksumsBody | None = None
 
 
@@ -148,7 +148,6 @@ def build_rl_router(
             metrics.observe_rl_call(request.scope["route"].path, time.perf_counter() - start)
 
     router = APIRouter(dependencies=[Depends(auth), Depends(timed)], tags=["rl"])
-    checksum_baseline: dict[str, dict[str, str]] = {}  # "baseline" -> the last checksum taken, for compare
     # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
     timed_out_rpcs: dict[str, asyncio.Future] = {}
 
@@ -182,9 +181,9 @@ def build_rl_router(
         return {"status": "sleeping", "level": level}
 
     @router.post("/wake_up")
-    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, str]:
-        await _engine_call(engine.wake_up(tags), "query.tags")
-        return {"status": "sleeping" if await engine.is_sleeping() else "awake"}
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+        awake = await _engine_call(engine.wake_up(tags), "query.tags")
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
@@ -305,21 +304,23 @@ def build_rl_router(
 
     @router.post("/weight_checker")
     async def weight_checker(body: WeightCheckerRequest) -> dict[str, Any]:
-        """`checksum`: SHA-256 per checkpoint tensor (kept as the baseline); `compare`: against `baseline` (a
-        checksum map, or a checksum response) or the kept one; `reset`: forget the kept baseline."""
+        """vLLM 0.33's: `checksum`: SHA-256 per checkpoint tensor; `compare`: against `baseline` (a checksum map, or
+        a checksum response): `match` and the sorted names that differ, are missing or are extra (`mismatches`);
+        `reset`: zero every weight, to check that the next update writes them all (until it has, generation is
+        refused rather than served from zeros)."""
         action = body.action
+        if action == "reset":
+            await _engine_call(engine.collective_rpc("reset_weights"))
+            return {"status": "reset"}
+        if action == "compare" and body.baseline is None:
+            raise APIError(400, "baseline: action='compare' requires a 'baseline' object", "baseline")
+        checksums = await _engine_call(engine.weight_checksums())
         if action == "checksum":
-            checksums = await _engine_call(engine.weight_checksums())
-            checksum_baseline["baseline"] = checksums
             return {"checksums": checksums}
-        if action == "compare":
-            given = body.baseline.checksums if isinstance(body.baseline, ChecksumsBody) else body.baseline
-            baseline = given or checksum_baseline.get("baseline")
-            if baseline is None:
-                raise APIError(400, "baseline: no baseline given and none taken with action=checksum", "baseline")
-            return compare_checksums(baseline, await _engine_call(engine.weight_checksums()))
-        checksum_baseline.clear()  # reset
-        return {"status": "reset"}
+        baseline = body.baseline.checksums if isinstance(body.baseline, ChecksumsBody) else body.baseline
+        compared = compare_checksums(baseline, checksums)
+        mismatches = sorted(compared["mismatches"] + compared["missing"] + compared["unexpected"])
+        return {"match": compared["match"], "mismatches": mismatches}
 
     _add_recovery_routes(router, engine)
     return router

@@ -250,8 +250,18 @@ def test_clear_cache_drops_prefix_hits_and_false_keeps_them(server: Server, rl: 
     assert cached > 0 and again == tokens
 
 
+def sleep_state(http: httpx.Client) -> dict[str, float]:
+    """vllm:engine_sleep_state by its sleep_state label."""
+    states = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:engine_sleep_state{"):
+            states[line.split('sleep_state="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return states
+
+
 def test_sleep_and_wake_over_http(server: Server, rl: RLServeClient) -> None:
-    """/sleep frees the engine's memory and holds requests; /wake_up brings both back; bad levels and tags are 400s."""
+    """/sleep frees the engine's memory and holds requests; /wake_up brings both back, awake (vLLM 0.33) as soon as
+    weights and KV cache are; bad levels, modes and tags are 400s; vllm:engine_sleep_state follows."""
     with server.client() as http:
         body = {"model": MODEL_NAME, "prompt": "sleep and wake", "max_tokens": 6, **GREEDY}
         before = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
@@ -259,16 +269,23 @@ def test_sleep_and_wake_over_http(server: Server, rl: RLServeClient) -> None:
             with pytest.raises(RLServeError) as err:
                 bad()
             assert err.value.status_code == 400 and err.value.param == field
+        refused = http.post("/sleep", params={"level": 1, "mode": "nap"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "query.mode"
         assert not rl.is_sleeping()
-        rl.sleep(level=1)
+        assert sleep_state(http) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+        assert http.post("/sleep", params={"level": 1, "mode": "keep"}).json() == {"status": "sleeping", "level": 1}
         try:
             assert rl.is_sleeping()
+            assert sleep_state(http) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
             with pytest.raises(httpx.ReadTimeout):  # held, not refused, while asleep
                 http.post("/v1/completions", json=body, timeout=1.0)
-            rl.wake_up(["weights"])
-            assert rl.is_sleeping()
+            woken = http.post("/wake_up", params={"tags": "weights"}).json()
+            assert woken == {"status": "sleeping", "tags": ["weights"]} and rl.is_sleeping()
+            assert http.post("/wake_up", params={"tags": "kv_cache"}).json()["status"] == "awake"
+            assert not rl.is_sleeping()
         finally:
             rl.wake_up()
         assert not rl.is_sleeping()
+        assert sleep_state(http) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == before
     assert httpx.post(f"{server.url}/sleep").status_code == 401  # the API key is required
