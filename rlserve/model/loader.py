@@ -79,12 +79,12 @@ def build_model(cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device)
 def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHTS_SEED) -> None:
     """vLLM's dummy load format: every weight uniform in +-DUMMY_WEIGHTS_RANGE, from a fixed seed (the same dummy
     model each start), so that the engine runs (meaninglessly) until real weights are pushed or reloaded."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    for _, param in model.named_parameters():
-        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
-            -DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generator
-        )
-        param.data.copy_(values)
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        device = param.device
+        if device not in generators:  # made where the weights are: no host copy of a large model
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        param.data.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generators[device])
 
 
 def load_model(
