@@ -266,12 +266,12 @@ class EngineCore:
     def pause(self, mode: str, clear_cache: bool) -> list[EngineCoreOutput]:
         """Apply a pause mode. For "wait" the caller keeps stepping until `num_in_flight` is 0, then clears.
         The step in flight (async scheduling) is read back first: its tokens belong before the pause, and after a
-        keep-pause returns, nothing may arrive until resume (the caller sends `take_pending_outputs` first)."""
+        keep-pause returns, nothing may arrive until resume: its outputs come first among those returned."""
         mode = resolve_pause_mode(mode)
         self._drain()
-        outputs: list[EngineCoreOutput] = []
+        outputs = self.take_pending_outputs()  # before any abort's last outputs
         if mode == "abort":
-            outputs = self.abort_requests(list(self.requests))
+            outputs += self.abort_requests(list(self.requests))
         self._set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
         self.rejecting_new_requests = mode != "keep"
         if clear_cache and mode != "wait":
@@ -362,8 +362,8 @@ class EngineCore:
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back what sleep released: `tags` any of "weights", "kv_cache", "scheduling" (default: all).
-        As in vLLM 0.33, scheduling resumes (and the engine is awake) as soon as weights and KV cache are both back;
-        "scheduling" alone wakes a sleep of level 0. Returns whether the engine is awake."""
+        As in vLLM 0.33, scheduling resumes (and the engine is awake) as soon as weights and KV cache are both back,
+        so any wake_up ends a sleep of level 0. Returns whether the engine is awake."""
         tags = list(WAKE_UP_TAGS) if tags is None else list(tags)
         unknown = [t for t in tags if t not in WAKE_UP_TAGS]
         if unknown:

@@ -137,8 +137,26 @@ def test_abort_and_wait_pauses_refuse_new_requests_retryably(qwen3_dir, monkeypa
 
     async def go() -> None:
         expected = await run("before")
+        # A stream that the abort-pause ends keeps every token the core sampled for it (the step in flight included).
+        generated = (await engine.stats())["num_generated_tokens"]
+        long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        outputs = []
+
+        async def consume() -> None:
+            async for out in engine.generate({"prompt_token_ids": [6, 7, 8]}, long, request_id="aborted"):
+                outputs.append(out)
+
+        consumer = asyncio.create_task(consume())
+        while len(outputs) < 3:
+            await asyncio.sleep(0.001)
         for mode in ("abort", "wait"):
             await engine.pause_generation(mode=mode)
+            if mode == "abort":
+                assert consumer.done()  # the abort-pause's streams end before it returns
+                last = outputs[-1]
+                assert last.finished and last.outputs[0].finish_reason == "abort"
+                sampled = (await engine.stats())["num_generated_tokens"] - generated
+                assert len(last.outputs[0].token_ids) == sampled < long.max_tokens
             assert engine.rejecting_new_requests
             with pytest.raises(RetryableRequestError, match="paused.*retry"):
                 await run(f"refused-{mode}")
