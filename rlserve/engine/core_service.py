@@ -241,7 +241,7 @@ class EngineCoreService:
 
     def pause(self, client: ClientId, call: UtilityCall, mode: str, clear_cache: bool) -> Any:
         if mode == "wait":  # any other mode, a bad one included, is the core's to apply or refuse
-            self.core.pause("wait", clear_cache=False)
+            self._route(self.core.pause("wait", clear_cache=False))  # what the step in flight sampled
             self.wait_pauses.append(_WaitPause(client, call.call_id, clear_cache))
             return _DEFERRED
         self._route(self.core.pause(mode, clear_cache))  # abort: the streams end before the pause returns
