@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 ClientId = Hashable
 IDLE_POLL_S = 0.05
-PAUSED_REFUSAL = "generation is paused (mode abort or wait); retry after it resumes"
 BACKGROUND_POLL_S = 0.005
+PAUSED_REFUSAL = "generation is paused (mode abort or wait); retry after it resumes"
 
 
 class Transport(Protocol):
