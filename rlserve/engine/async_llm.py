@@ -21,6 +21,7 @@ from rlserve.engine.args import EngineArgs, make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
+    RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
     make_async_client,
@@ -147,7 +148,7 @@ class AsyncLLM(EngineFrontEnd):
     def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         results, to_abort = self.output_processor.process(outputs)
         for out in results:
-            error = self.output_processor.take_error(out.request_id)
+            error: RequestRefusedError | None = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.queue.put_nowait(out if error is None else error)

@@ -19,6 +19,7 @@ import torch
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.core import EngineCore
 from rlserve.engine.messages import (
+    PAUSED_REFUSAL,
     SLEEP_MODES,
     AbortRequests,
     AddRequest,
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 ClientId = Hashable
 IDLE_POLL_S = 0.05
 BACKGROUND_POLL_S = 0.005
-PAUSED_REFUSAL = "generation is paused (mode abort or wait); retry after it resumes"
 
 
 class Transport(Protocol):

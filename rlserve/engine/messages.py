@@ -38,6 +38,8 @@ class EngineCoreOutput:
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
+# Why a new request is refused (retryable) during a pause in mode abort or wait (vLLM 0.33 refuses rather than queues).
+PAUSED_REFUSAL = "generation is paused (mode abort or wait); retry after it resumes"
 # vLLM's "wait" (sleep once the requests in flight finish) is not offered: a sleeping core restores the pause
 # state it fell asleep in, so it would wake paused.
 SLEEP_MODES = ("abort", "keep")

@@ -24,10 +24,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError
-from rlserve.engine.core_client import RequestRefusedError
-from rlserve.engine.core_service import PAUSED_REFUSAL
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
+from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
