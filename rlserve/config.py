@@ -14,6 +14,9 @@ LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DTYPES = ("auto", *MODEL_DTYPES)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM's --load-format values that rlserve implements: "auto" and "safetensors" read the checkpoint's safetensors
+# files; "dummy" reads none (random weights of the right shapes) for a trainer that pushes the real ones first.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,12 @@ class EngineConfig:
     )
     data_parallel_master_port: int = _option(
         0, "in lockstep: the port of that rendezvous (0: the front end picks a free one)"
+    )
+    load_format: str = _option(
+        "auto",
+        "how the weights are loaded (vLLM's option): auto/safetensors read the checkpoint; dummy starts with random "
+        "weights and reads none, for a trainer that sends the real ones first (or collective_rpc reload_weights)",
+        LOAD_FORMATS,
     )
     revision: str | None = _option(
         None, "branch, tag or commit of a Hugging Face hub model (default: main); ignored for a directory"

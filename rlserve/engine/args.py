@@ -246,3 +246,18 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
         kwargs["batch_invariant"] = True
     # A hub id becomes its snapshot directory here, once: the core process and the tokenizer read that directory.
     return EngineConfig(model=resolve_model(model, kwargs.get("revision")), **kwargs)
+
+
+class EngineArgs:
+    """vLLM's EngineArgs (and AsyncEngineArgs) as their callers write them: `AsyncEngineArgs(model=..., **engine
+    keywords)` for `AsyncLLM.from_engine_args`. The keywords are EngineConfig's, checked by `create_engine_config`."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.model = model
+        self.kwargs = kwargs
+
+    def create_engine_config(self) -> EngineConfig:
+        return make_engine_config(self.model, **self.kwargs)
+
+
+AsyncEngineArgs = EngineArgs

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlserve.config import EngineConfig
-from rlserve.engine.args import make_engine_config
+from rlserve.engine.args import EngineArgs, make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
@@ -63,8 +64,37 @@ class _Stream:
         while self.pending is None:
             self.ready.clear()
             await self.ready.wait()
+        return self.take()
+
+    def take(self) -> RequestOutput | BaseException | None:
+        """What is pending, without waiting (None if nothing is)."""
         item, self.pending = self.pending, None
         return item
+
+
+class RequestOutputCollector:
+    """vLLM's handle on one request that `AsyncLLM.add_request` queued: `get()` waits for its next output (raising
+    the request's error, if it has one); `get_nowait()` returns one if there is one, else None."""
+
+    def __init__(self, request_id: str, stream: _Stream, release: Callable[[str, _Stream], None]) -> None:
+        self.request_id = request_id
+        self._stream = stream
+        self._release = release
+
+    def _take(self, out: RequestOutput | BaseException) -> RequestOutput:
+        if isinstance(out, BaseException):
+            self._release(self.request_id, self._stream)
+            raise out
+        if out.finished:
+            self._release(self.request_id, self._stream)
+        return out
+
+    async def get(self) -> RequestOutput:
+        return self._take(await self._stream.get())
+
+    def get_nowait(self) -> RequestOutput | None:
+        out = self._stream.take()
+        return None if out is None else self._take(out)
 
 
 def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
@@ -130,6 +160,11 @@ class AsyncLLM(EngineFrontEnd):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None  # set when the core died; every call then fails with it
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        """vLLM's construction from (Async)EngineArgs: the model and engine keywords they hold."""
+        return cls(engine_args.model, **engine_args.kwargs)
+
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is None:
@@ -148,10 +183,10 @@ class AsyncLLM(EngineFrontEnd):
     def _on_core_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         results, to_abort = self.output_processor.process(outputs)
         for out in results:
-            error = self.output_processor.take_error(out.request_id)
+            error: RequestRefusedError | None = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out if error is None else RequestRefusedError(error))
+                stream.put(out if error is None else error)
         if to_abort:
             self.client.abort(to_abort)
 
@@ -171,6 +206,12 @@ class AsyncLLM(EngineFrontEnd):
         while it serves. Read without a call: the core may be inside a long weight transfer."""
         return self.client.not_serving
 
+    @property
+    def rejecting_new_requests(self) -> bool:
+        """A pause in mode abort or wait refuses new requests (RetryableRequestError) until resume, as the core last
+        told this front end."""
+        return self.client.rejecting_new_requests
+
     async def generate(
         self,
         prompt: PromptType | ValidatedPrompt,
@@ -183,6 +224,56 @@ class AsyncLLM(EngineFrontEnd):
         A prompt from `validate_prompt` is queued as it is, with the params it was checked with. `session_id` (the
         server's `X-Session-ID`): requests of one session go to the same data-parallel rank, whose prefix cache
         holds the earlier turns."""
+        request_id, stream = self._add(prompt, sampling_params, request_id, session_id)
+        try:
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    break
+        finally:
+            self._release(request_id, stream)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType | ValidatedPrompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Any = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        session_id: str | None = None,
+    ) -> RequestOutputCollector:
+        """vLLM 0.33's: queue a request and return its collector, whose `get()` gives its outputs in order (the last
+        one finished) or raises its error. Unlike `generate`, nothing aborts it when its caller stops reading: call
+        `abort(request_id)`. What rlserve does not offer is refused by name."""
+        unsupported = {
+            "arrival_time": (arrival_time, None, "the engine stamps arrival itself"),
+            "lora_request": (lora_request, None, "LoRA adapters are not supported yet"),
+            "tokenization_kwargs": (tokenization_kwargs, None, "prompts are tokenized as the tokenizer's defaults"),
+            "trace_headers": (trace_headers, None, "tracing is not supported"),
+            "priority": (priority, 0, "the scheduler is first come, first served"),
+            "data_parallel_rank": (data_parallel_rank, None, "the front end routes requests (session_id for affinity)"),
+        }
+        for name, (value, default, why) in unsupported.items():
+            if value != default:
+                raise ValueError(f"{name}: not supported ({why}), got {value!r}")
+        request_id, stream = self._add(prompt, params, request_id, session_id)
+        return RequestOutputCollector(request_id, stream, self._release)
+
+    def _add(
+        self,
+        prompt: PromptType | ValidatedPrompt,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        session_id: str | None,
+    ) -> tuple[str, _Stream]:
+        """Validate and queue one request; its outputs go to the returned stream until `_release`."""
         self._bind_loop()
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}")
@@ -199,21 +290,23 @@ class AsyncLLM(EngineFrontEnd):
         try:
             request = AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)
             self.client.add([request], session_id)
-            while True:
-                out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise out
-                yield out
-                if out.finished:
-                    break
-        finally:
-            self._streams.pop(request_id, None)
-            stream.done.set()
-            if request_id in self.output_processor.states:  # the consumer left early: stop the work
-                self.output_processor.abort(request_id)
-                self.client.abort(child_ids)
+        except BaseException:
+            self._release(request_id, stream)
+            raise
+        return request_id, stream
 
-    async def abort(self, request_id: str | list[str]) -> None:
+    def _release(self, request_id: str, stream: _Stream) -> None:
+        """The request's consumer is done with its stream; if the request has not finished, it is aborted."""
+        self._streams.pop(request_id, None)
+        stream.done.set()
+        if request_id in self.output_processor.states:  # the consumer left early: stop the work
+            child_ids = self.output_processor.child_ids(request_id)
+            self.output_processor.abort(request_id)
+            self.client.abort(child_ids)
+
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
+        """vLLM's. `internal` (vLLM 0.33) says the ids are the engine's own rather than the caller's; rlserve gives
+        the engine the caller's ids, so both name the same requests."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
         # The core's outputs first (they arrive before the call returns): they carry tokens it held back for
@@ -236,7 +329,13 @@ class AsyncLLM(EngineFrontEnd):
         mode = resolve_pause_mode(mode, wait_for_inflight_requests)
         affected = list(self._streams.values())
         await self._call("pause", mode, clear_cache)
-        if mode != "keep":
+        if mode == "keep":
+            # The core sent the last tokens before its answer: their consumers take them before pause returns, so
+            # that none is read between the pause and the resume.
+            deadline = time.monotonic() + STREAM_DRAIN_TIMEOUT_S
+            while any(s.pending is not None for s in affected) and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+        else:
             # Streams that this pause ended are read to their end before pause returns.
             pending = [s.done.wait() for s in affected if not s.done.is_set() and s.pending is not None]
             if pending:
@@ -255,8 +354,9 @@ class AsyncLLM(EngineFrontEnd):
         mode (vLLM's): "keep" freezes the requests in flight, "abort" ends them first."""
         await self._call("sleep", level, mode)
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call("wake_up", tags)
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """See LLM.wake_up; whether the engine is awake."""
+        return await self._call("wake_up", tags)
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")

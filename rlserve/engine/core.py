@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.messages import EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.messages import ENGINE_RPC_METHODS, EngineCoreOutput, resolve_pause_mode
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.worker.extension import call as call_worker
@@ -31,6 +31,8 @@ from rlserve.weight_transfer.base import TRAINER_LOST, WeightUpdateRefused
 logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (0, 1, 2)
+# What update_config may change: (vLLM's config name, its field) -> the EngineConfig field.
+UPDATABLE_CONFIG = {("load_config", "load_format"): "load_format"}
 WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 
 
@@ -86,9 +88,12 @@ class EngineCore:
         self._snapshot: dict[str, torch.Tensor] | None = None  # weight_update_snapshot's buffers, kept for reuse
         self._snapshot_valid = False  # they hold the weights of the update in progress's start
         self.asleep = False
+        self.sleep_level = 0  # the deepest level since it fell asleep
         self._pause_before_sleep = PauseState.UNPAUSED
         self._in_flight: _InFlightStep | None = None  # launched, not yet read back (async scheduling)
         self._pending_outputs: list[EngineCoreOutput] = []  # read back by _drain, returned by the next step
+        # vLLM 0.33's user pause in mode abort or wait: new requests are refused (retryable) until resume, not queued.
+        self.rejecting_new_requests = False
         self.num_generated_tokens = 0  # counters for metrics
         self.num_prompt_tokens = 0  # of the requests that got their first token (vLLM counts them at prefill)
         self.num_steps = 0
@@ -239,11 +244,18 @@ class EngineCore:
         outputs.append(self._output(request, new_tokens, new_logprobs, prompt_logprobs, weight_version))
 
     def _drain(self) -> None:
-        """Read back the step in flight (its outputs go out with the next `step`), so that the engine's state is
-        settled: no placeholders, no device work that could race what the caller does next."""
+        """Read back the step in flight (its outputs go out with the next `step`, or `take_pending_outputs`), so
+        that the engine's state is settled: no placeholders, no device work that could race what the caller does
+        next."""
         if self._in_flight is not None:
             step, self._in_flight = self._in_flight, None
             self._pending_outputs += self._resolve(step)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs `_drain` read back, for the caller of a control call to send before the call's result: what a
+        pause(mode="keep") drained reaches its consumers before the pause returns, not after."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
 
     def _output(
         self, request, new_tokens, new_logprobs, prompt_logprobs, weight_version: str, last: bool = True
@@ -276,12 +288,16 @@ class EngineCore:
     # ---- pause / resume ----
 
     def pause(self, mode: str, clear_cache: bool) -> list[EngineCoreOutput]:
-        """Apply a pause mode. For "wait" the caller keeps stepping until `num_in_flight` is 0, then clears."""
+        """Apply a pause mode. For "wait" the caller keeps stepping until `num_in_flight` is 0, then clears.
+        The step in flight (async scheduling) is read back first: its tokens belong before the pause, and after a
+        keep-pause returns, nothing may arrive until resume: its outputs come first among those returned."""
         mode = resolve_pause_mode(mode)
-        outputs: list[EngineCoreOutput] = []
+        self._drain()
+        outputs = self.take_pending_outputs()  # before any abort's last outputs
         if mode == "abort":
-            outputs = self.abort_requests(list(self.requests))
+            outputs += self.abort_requests(list(self.requests))
         self._set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
+        self.rejecting_new_requests = mode != "keep"
         if clear_cache and mode != "wait":
             self.clear_cache()
         return outputs
@@ -306,6 +322,7 @@ class EngineCore:
     def resume(self) -> None:
         """Lift the pause. With weights missing (see `not_serving`) nothing runs until they are written."""
         self._set_pause_state(PauseState.UNPAUSED)
+        self.rejecting_new_requests = False
 
     def not_serving(self) -> str | None:
         """Why generation is refused (new requests end with this error, requests in flight wait), or None."""
@@ -357,6 +374,8 @@ class EngineCore:
         if not self.asleep:
             self._pause_before_sleep = self.scheduler.pause_state
             self.asleep = True
+            self.sleep_level = level
+        self.sleep_level = max(self.sleep_level, level)
         self.scheduler.pause_state = PauseState.PAUSED_ALL
         if level >= 1:
             self.clear_cache()  # running requests give their blocks back; they recompute after wake_up
@@ -365,19 +384,28 @@ class EngineCore:
         if level == 2:
             self._mark_unwritten(set(self.runner.weight_names), "sleep(level=2) released them")
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back what sleep released: `tags` any of "weights", "kv_cache", "scheduling" (default: all).
-        Scheduling resumes only once weights and KV cache are both back."""
+        As in vLLM 0.33, scheduling resumes (and the engine is awake) as soon as weights and KV cache are both back,
+        so any wake_up ends a sleep of level 0. Returns whether the engine is awake."""
         tags = list(WAKE_UP_TAGS) if tags is None else list(tags)
         unknown = [t for t in tags if t not in WAKE_UP_TAGS]
         if unknown:
             raise ValueError(f"tags: unknown wake_up tags {unknown}; expected a subset of {list(WAKE_UP_TAGS)}")
+        if self.asleep:
+            self.runner.restore(weights="weights" in tags, kv_cache="kv_cache" in tags)
+            if self.runner.weights_resident and self.runner.kv_cache_resident:
+                self.scheduler.pause_state = self._pause_before_sleep
+                self.asleep = False
+        return not self.asleep
+
+    @property
+    def sleep_state(self) -> str:
+        """vLLM's engine_sleep_state, in words: "awake", "weights_offloaded" (level 1), "discard_all" (level 2), or
+        "scheduling_paused" (level 0)."""
         if not self.asleep:
-            return
-        self.runner.restore(weights="weights" in tags, kv_cache="kv_cache" in tags)
-        if "scheduling" in tags and self.runner.weights_resident and self.runner.kv_cache_resident:
-            self.scheduler.pause_state = self._pause_before_sleep
-            self.asleep = False
+            return "awake"
+        return ("scheduling_paused", "weights_offloaded", "discard_all")[self.sleep_level]
 
     def is_sleeping(self) -> bool:
         return self.asleep
@@ -537,19 +565,74 @@ class EngineCore:
             outcome = "incomplete"
         self._snapshot_valid = False
         self.kv_cache.reset_prefix_cache()  # KV computed under weights that are no longer served
-        self._set_pause_state(PauseState.UNPAUSED)
+        self.resume()
         logger.warning("weight update abandoned (%s): weights %s", why, outcome)
         return outcome
 
     def collective_rpc(self, method: Any, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's collective_rpc: run `method` on every worker (one per tensor-parallel rank) between steps; one
         result per worker, in rank order. What it changes behind the engine's back (weights, say) is its own affair:
-        a method that writes weights should be followed by reset_prefix_cache, as in vLLM."""
+        a method that writes weights should be followed by reset_prefix_cache, as in vLLM. vLLM's own worker methods
+        `update_config`, `reload_weights` and `reset_weights` run on the core, which keeps its bookkeeping of the
+        weights right (and reaches every rank through its loader)."""
         self._drain()
+        if isinstance(method, str) and method in ENGINE_RPC_METHODS:
+            return [getattr(self, method)(*args, **(kwargs or {}))]
         args, kwargs = tuple(args), dict(kwargs or {})
         with self.runner.on_device(), self.runner.mirrored("collective_rpc", method, args, kwargs) as others:
             mine = call_worker(self.worker, method, args, kwargs)
         return [mine, *others]
+
+    def update_config(self, overrides: dict[str, Any]) -> None:
+        """vLLM's worker update_config, for what rlserve's engine reads after its start: the load format, which
+        vLLM's skip_loading_weights_in_engine_init example switches from "dummy" to "auto" before reload_weights.
+        Any other field is refused by name."""
+        if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+            raise ValueError(f"overrides: expected {{config name: {{field: value}}}}, got {overrides!r}")
+        changes: dict[str, Any] = {}
+        for section, values in overrides.items():
+            for name, value in values.items():
+                if (section, name) not in UPDATABLE_CONFIG:
+                    raise ValueError(
+                        f"overrides: {section}.{name} cannot be updated on a running engine; supported: "
+                        f"{[f'{s}.{n}' for s, n in UPDATABLE_CONFIG]}"
+                    )
+                changes[UPDATABLE_CONFIG[section, name]] = value
+        try:
+            config = replace(self.config, **changes)  # checked as at start
+        except ValueError as e:
+            raise ValueError(f"overrides: {e}") from e
+        self.config = self.runner.config = config
+
+    def reload_weights(
+        self, weights_iterator=None, weights_path: str | None = None, is_checkpoint_format: bool = True
+    ) -> None:
+        """vLLM's worker reload_weights: write `weights_iterator` (checkpoint names; a core in the caller's process
+        only), else read the checkpoint in `weights_path`, else the model's own directory, in place. Every tensor is
+        checked before any is written, and the prefix cache is emptied."""
+        if is_checkpoint_format is not True:
+            raise ValueError(
+                f"is_checkpoint_format: rlserve loads checkpoint-format names only, got {is_checkpoint_format!r}"
+            )
+        if weights_iterator is not None:
+            self.load_weights_direct(weights_iterator)
+            return
+        if self.config.load_format == "dummy":
+            raise ValueError(
+                "load_format: the engine's load format is 'dummy', which reads no checkpoint; switch it first with "
+                "collective_rpc('update_config', args=({'load_config': {'load_format': 'auto'}},))"
+            )
+        self.load_weights_from_dir(weights_path or self.config.model, "weights_path")
+
+    def reset_weights(self) -> None:
+        """vLLM's weight-checker reset: every weight zeroed, to check that the next update writes them all. rlserve
+        refuses generation (not_serving) until writes cover them again, rather than serve from zeros."""
+        self._require_weights("reset_weights")
+        with self.runner.on_device():
+            for _, tensor in self.runner.model.checkpoint_weights():
+                tensor.zero_()
+        self._mark_unwritten(set(self.runner.weight_names), "the weight checker's reset zeroed them")
+        self.kv_cache.reset_prefix_cache()
 
     def load_weights_direct(self, weights, reset_prefix_cache: bool = True) -> int:
         """Write checkpoint-format tensors straight into the model. `reset_prefix_cache=False` keeps KV computed
@@ -563,7 +646,7 @@ class EngineCore:
             self.kv_cache.reset_prefix_cache()
         return written
 
-    def load_weights_from_dir(self, weight_dir: str) -> int:
+    def load_weights_from_dir(self, weight_dir: str, param: str = "weight_dir") -> int:
         """prime-rl's checkpoint-directory update: the safetensors files the trainer wrote to `weight_dir` (which
         the API server has checked against the operator's allowed directories), read here rather than shipped
         through the front end, and written through `load_weights_direct`: every tensor is checked before any is
@@ -573,11 +656,11 @@ class EngineCore:
         try:
             weights = list(iterate_checkpoint(weight_dir))
         except Exception as e:  # no safetensors there, a truncated file, ...
-            raise ValueError(f"weight_dir: cannot read safetensors weights from {weight_dir!r}: {e}") from e
+            raise ValueError(f"{param}: cannot read safetensors weights from {weight_dir!r}: {e}") from e
         try:
             return self.load_weights_direct(weights)
         except ValueError as e:  # the model's check names the tensor; the client sent the directory
-            raise ValueError(f"weight_dir: {e}") from e
+            raise ValueError(f"{param}: {e}") from e
 
     def shutdown_weight_transfer_engine(self) -> None:
         """vLLM's: close the trainer's transfer group (a later init_weight_transfer_engine opens a new one)."""

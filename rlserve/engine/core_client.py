@@ -55,6 +55,15 @@ class RequestRefusedError(RuntimeError):
     what makes it serve again. The engine itself is fine (a server answers 503)."""
 
 
+class RetryableRequestError(RequestRefusedError):
+    """vLLM 0.33's: a transient refusal, safe to retry as it is: generation is paused in mode abort or wait, which
+    refuses new requests until resume rather than queueing them (a server answers 503 ServiceUnavailableError)."""
+
+
+def refusal(error: str, retryable: bool) -> RequestRefusedError:
+    return RetryableRequestError(error) if retryable else RequestRefusedError(error)
+
+
 def raise_for(result: UtilityResult) -> Any:
     """The call's value, or its error raised again as the same built-in exception (a weight transfer's
     ConnectionError stays one); only names of builtins are looked up, never a class the message could pick."""
@@ -130,6 +139,7 @@ class InprocClient:
         self._results: dict[int, UtilityResult] = {}
         self._ids = itertools.count(1)
         self.not_serving: str | None = None  # the core's EngineStatus, as last sent
+        self.rejecting_new_requests = False
 
     def connect(self) -> dict[str, Any]:
         return self.call("engine_info")
@@ -141,7 +151,7 @@ class InprocClient:
         self._results[result.call_id] = result
 
     def send_status(self, client, status: EngineStatus) -> None:
-        self.not_serving = status.not_serving
+        self.not_serving, self.rejecting_new_requests = status.not_serving, status.rejecting_new_requests
 
     def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
         self.service.handle(IN_PROCESS, AddRequests(requests))
@@ -209,6 +219,7 @@ class MPClient:
         self._ids = itertools.count(1)
         self.dead: str | None = None
         self.not_serving: str | None = None  # the core's EngineStatus, as last sent
+        self.rejecting_new_requests = False
 
     def connect(self) -> dict[str, Any]:
         """Wait for the core to start (the process was started by the constructor) and ask what it is."""
@@ -238,7 +249,7 @@ class MPClient:
         if isinstance(message, StepOutputs):
             self._outputs += unpack_outputs(message)
         elif isinstance(message, EngineStatus):
-            self.not_serving = message.not_serving
+            self.not_serving, self.rejecting_new_requests = message.not_serving, message.rejecting_new_requests
         else:
             self._results[message.call_id] = message
 
@@ -318,13 +329,14 @@ class AsyncClientBase:
         self.on_dead: Callable[[str], None] = lambda reason: None
         self.dead: str | None = None
         self.not_serving: str | None = None  # the core's EngineStatus, as last sent (read by /health)
+        self.rejecting_new_requests = False
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering on `loop` (the first event loop that uses the engine)."""
         self.loop = loop
 
     def _set_status(self, status: EngineStatus) -> None:
-        self.not_serving = status.not_serving
+        self.not_serving, self.rejecting_new_requests = status.not_serving, status.rejecting_new_requests
 
     def _file_result(self, result: UtilityResult) -> None:
         future = self._pending.pop(result.call_id, None)

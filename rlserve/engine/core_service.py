@@ -20,6 +20,7 @@ from rlserve.dtypes import dtype_from_name
 from rlserve.engine.core import EngineCore
 from rlserve.engine.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
 from rlserve.engine.messages import (
+    PAUSED_REFUSAL,
     SLEEP_MODES,
     AbortRequests,
     AddRequest,
@@ -128,7 +129,7 @@ class EngineCoreService:
         self.num_background = 0
         self.failure: BaseException | None = None  # a step raised: requests were aborted, the core is unusable
         self.clients: set[ClientId] = set()  # every front end seen, for status changes
-        self.status = EngineStatus(None)  # as last sent
+        self.status = EngineStatus(None, False)  # as last sent
 
     # ---- the loop ----
 
@@ -149,12 +150,12 @@ class EngineCoreService:
         self._handle(client, message)
 
     def _publish_status(self) -> None:
-        """Tell every front end when the core starts or stops refusing generation: only control calls (a weight
-        update, sleep, an abandoned update) change that. Sent before the call's result, so that the caller's front
-        end knows the new status by the time the call returns."""
-        not_serving = self.core.not_serving()
-        if not_serving != self.status.not_serving:
-            self.status = EngineStatus(not_serving)
+        """Tell every front end when the core starts or stops refusing generation or new requests: only control
+        calls (a weight update, sleep, a pause, an abandoned update) change that. Sent before the call's result, so
+        that the caller's front end knows the new status by the time the call returns."""
+        status = EngineStatus(self.core.not_serving(), self.core.rejecting_new_requests)
+        if status != self.status:
+            self.status = status
             for client in self.clients:
                 self.transport.send_status(client, self.status)
 
@@ -205,10 +206,13 @@ class EngineCoreService:
             self._route(self._refused(message.request_ids))
             return
         not_serving = self.core.not_serving()
-        if not_serving is not None:
+        if not_serving is not None or self.core.rejecting_new_requests:
             for request_id in message.request_ids:
                 self.owners[request_id] = client
-            self._route(self._refused(message.request_ids, f"generation refused: {not_serving}"))
+            if not_serving is not None:
+                self._route(self._refused(message.request_ids, f"generation refused: {not_serving}"))
+            else:
+                self._route(self._refused(message.request_ids, PAUSED_REFUSAL, retryable=True))
             return
         prompt = decode_token_ids(message.prompt_token_ids)
         for request_id, params in zip(message.request_ids, message.params, strict=True):
@@ -219,9 +223,14 @@ class EngineCoreService:
                 logger.exception("refused request %s", request_id)
                 self._route(self._refused([request_id]))
 
-    def _refused(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
+    def _refused(
+        self, request_ids: list[str], error: str | None = None, retryable: bool = False
+    ) -> list[EngineCoreOutput]:
         version = self.core.weight_version
-        return [EngineCoreOutput(rid, [], [], None, version, "abort", error=error) for rid in request_ids]
+        return [
+            EngineCoreOutput(rid, [], [], None, version, "abort", error=error, error_retryable=retryable)
+            for rid in request_ids
+        ]
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:
         if not outputs:
@@ -264,10 +273,13 @@ class EngineCoreService:
         try:
             value = method(self, client, call, *call.args)
         except BaseException as e:
+            self._route(self.core.take_pending_outputs())
             self._pause_lifted()
             self._publish_status()
             self.transport.send_result(client, error_result(call.call_id, e))
             return
+        # Outputs of a step the call read back go out before its result (a keep-pause's last tokens included).
+        self._route(self.core.take_pending_outputs())
         self._pause_lifted()
         self._publish_status()
         if value is not _DEFERRED:
@@ -300,7 +312,7 @@ class EngineCoreService:
         if self.wave is not None:
             return self._lockstep_pause(client, call, resolve_pause_mode(mode), clear_cache)
         if mode == "wait":  # any other mode, a bad one included, is the core's to apply or refuse
-            self.core.pause("wait", clear_cache=False)
+            self._route(self.core.pause("wait", clear_cache=False))  # what the step in flight sampled
             self.wait_pauses.append(_WaitPause(client, call.call_id, clear_cache))
             return _DEFERRED
         self._route(self.core.pause(mode, clear_cache))  # abort: the streams end before the pause returns
@@ -381,6 +393,7 @@ class EngineCoreService:
             prefix_cache_queries=core.kv_cache.prefix_queries,
             prefix_cache_hits=core.kv_cache.prefix_hits,
             is_paused=core.is_paused(),
+            sleep_state=core.sleep_state,
             weight_version=core.weight_version,
             num_unwritten_weights=len(core.unwritten_weights),
             # vLLM's CacheConfig fields that rlserve has, under vLLM's names (vllm:cache_config_info's labels)

@@ -227,6 +227,11 @@ class _DPClientBase:
                 return f"data-parallel rank {rank}: {client.not_serving}"
         return None
 
+    @property
+    def rejecting_new_requests(self) -> bool:
+        """A pause in mode abort or wait refuses new requests on some rank (a pause reaches every rank)."""
+        return any(client.rejecting_new_requests for client in self.ranks)
+
     def _route(self, requests: list[AddRequest], session_id: str | None) -> dict[int, list[AddRequest]]:
         groups: dict[int, list[AddRequest]] = {}
         for request in requests:

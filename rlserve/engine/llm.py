@@ -15,7 +15,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rlserve.engine.args import make_engine_config
 from rlserve.engine.core_client import (
     EngineDeadError,
-    RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
     make_client,
@@ -299,7 +298,7 @@ class LLM(EngineFrontEnd):
                     if index is None:  # a late output of an earlier call's aborted request
                         continue
                     if error is not None:
-                        raise RequestRefusedError(error)
+                        raise error
                     results[index] = out
                     remaining -= 1
                     num_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -314,9 +313,10 @@ class LLM(EngineFrontEnd):
         cache, level 2 drops both (update every weight after waking), level 0 only stops scheduling."""
         self.client.call("sleep", level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back "weights", "kv_cache" and "scheduling" (default: all)."""
-        self.client.call("wake_up", tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back "weights", "kv_cache" and "scheduling" (default: all); whether the engine is awake (as soon as
+        weights and KV cache are both back)."""
+        return self.client.call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
         return self.client.call("is_sleeping")

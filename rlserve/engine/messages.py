@@ -36,12 +36,18 @@ class EngineCoreOutput:
     first_token: tuple[float, float, float] | None = None
     error: str | None = None  # why the core refused the request (it then ends with finish_reason "abort")
     routed_experts: np.ndarray | None = None  # [tokens, layers, top_k], on the finishing output (see outputs.py)
+    error_retryable: bool = False  # the refusal is transient (a pause): the same request succeeds later
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
+# Why a new request is refused (retryable) during a pause in mode abort or wait (vLLM 0.33 refuses rather than queues).
+PAUSED_REFUSAL = "generation is paused (mode abort or wait); retry after it resumes"
 # vLLM's "wait" (sleep once the requests in flight finish) is not offered: a sleeping core restores the pause
 # state it fell asleep in, so it would wake paused.
 SLEEP_MODES = ("abort", "keep")
+# vLLM's own worker methods that collective_rpc reaches (by name, over HTTP too): the core runs them itself, since
+# they change what it keeps track of (its config, the weights written).
+ENGINE_RPC_METHODS = ("update_config", "reload_weights", "reset_weights")
 
 
 def resolve_pause_mode(mode: str, wait_for_inflight_requests: bool | None = None) -> str:
@@ -133,6 +139,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True):
     first_token_times: bytes  # float64: (queued, scheduled, first token) per row of first_token_rows
     error_rows: bytes  # int32: the outputs that carry an `error` (refusals: rare, so a sparse column)
     errors: list[str]  # one per row of error_rows
+    errors_retryable: bytes  # uint8 per row of error_rows
     routed_rows: bytes = b""  # int32: the outputs that carry `routed_experts` (finishing ones, when enabled)
     routed_experts: list[bytes] = []  # one .npy (no pickle) per row of routed_rows
 
@@ -142,6 +149,7 @@ class EngineStatus(msgspec.Struct, tag=True, array_like=True):
     the core, whose loop may be inside a long weight transfer."""
 
     not_serving: str | None  # why generation is refused (EngineCore.not_serving), None while it serves
+    rejecting_new_requests: bool = False  # a pause in mode abort or wait refuses new requests (retryable)
 
 
 CoreInput = AddRequests | AbortRequests | UtilityCall
@@ -207,6 +215,7 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
     errors: list[str] = []
     routed_rows: list[int] = []
     routed_experts: list[bytes] = []
+    errors_retryable: list[bool] = []
     for i, o in enumerate(outputs):
         if o.routed_experts is not None:
             routed_rows.append(i)
@@ -217,6 +226,7 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
         if o.error is not None:
             error_rows.append(i)
             errors.append(o.error)
+            errors_retryable.append(o.error_retryable)
         with_logprobs = bool(o.new_logprobs) and o.new_logprobs[0] is not None
         has_logprobs.append(with_logprobs)
         if with_logprobs:
@@ -240,6 +250,7 @@ def pack_outputs(outputs: list[EngineCoreOutput]) -> StepOutputs:
         first_token_times=_f64(first_token_times),
         error_rows=_i32(error_rows),
         errors=errors,
+        errors_retryable=np.asarray(errors_retryable, dtype=np.uint8).tobytes(),
         routed_rows=_i32(routed_rows),
         routed_experts=routed_experts,
     )
@@ -285,8 +296,10 @@ def unpack_outputs(step: StepOutputs) -> list[EngineCoreOutput]:
     times = _doubles(step.first_token_times)
     for j, row in enumerate(_ints(step.first_token_rows)):
         outputs[row].first_token = (times[3 * j], times[3 * j + 1], times[3 * j + 2])
-    for row, error in zip(_ints(step.error_rows), step.errors, strict=True):
+    retryable = np.frombuffer(step.errors_retryable, dtype=np.uint8).tolist()
+    for row, error, transient in zip(_ints(step.error_rows), step.errors, retryable, strict=True):
         outputs[row].error = error
+        outputs[row].error_retryable = bool(transient)
     for row, array in zip(_ints(step.routed_rows), step.routed_experts, strict=True):
         outputs[row].routed_experts = np.load(io.BytesIO(array), allow_pickle=False)
     return outputs

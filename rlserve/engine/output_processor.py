@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from rlserve.engine.core_client import RequestRefusedError, refusal
 from rlserve.engine.detokenizer import Detokenizer, find_stop_string, make_detokenizer
 from rlserve.engine.messages import EngineCoreOutput
 from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, PositionLogprobsData, RequestOutput
@@ -84,9 +85,9 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}  # by request id
         self.child_to_parent: dict[str, tuple[str, int]] = {}
         self._token_text: dict[int, str] = {}
-        # Request id -> why the core refused it; the front end takes it (`take_error`) with the request's final
+        # Request id -> the core's refusal of it; the front end takes it (`take_error`) with the request's final
         # output and raises it instead. Empty but for refusals.
-        self.errors: dict[str, str] = {}
+        self.errors: dict[str, RequestRefusedError] = {}
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -151,7 +152,7 @@ class OutputProcessor:
                 continue  # the core may run a token or two past a stop string before its abort lands
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.error is not None:
-                self.errors.setdefault(state.request_id, out.error)
+                self.errors.setdefault(state.request_id, refusal(out.error, out.error_retryable))
             if out.new_prompt_logprobs and state.prompt_logprobs is not None and sample.index == 0:
                 offset = len(state.prompt_logprobs)
                 for j, data in enumerate(out.new_prompt_logprobs):
@@ -178,8 +179,8 @@ class OutputProcessor:
                 del self.states[state.request_id]
         return results, to_abort
 
-    def take_error(self, request_id: str) -> str | None:
-        """Why the core refused request `request_id` (None if it did not), once."""
+    def take_error(self, request_id: str) -> RequestRefusedError | None:
+        """The core's refusal of request `request_id` (None if it did not refuse it), once."""
         return self.errors.pop(request_id, None) if self.errors else None
 
     def _add_tokens(self, sample: _Sample, out: EngineCoreOutput) -> None:

@@ -15,6 +15,9 @@ from rlserve.model.layers import RotaryEmbedding
 from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
 
+DUMMY_WEIGHTS_RANGE = 1e-3  # vLLM's initialize_dummy_weights bounds
+DUMMY_WEIGHTS_SEED = 1234  # and its seed
+
 
 def load_hf_config(model_dir: str) -> PretrainedConfig:
     path = Path(model_dir)
@@ -85,13 +88,32 @@ def build_model(
     return model.eval()
 
 
+def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHTS_SEED) -> None:
+    """vLLM's dummy load format: every weight uniform in +-DUMMY_WEIGHTS_RANGE, from a fixed seed (the same dummy
+    model each start), so that the engine runs (meaninglessly) until real weights are pushed or reloaded."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():
+        device = param.device
+        if device not in generators:  # made where the weights are: no host copy of a large model
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        param.data.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generators[device])
+
+
 def load_model(
-    model_dir: str, dtype: str | torch.dtype, device: torch.device, tp: TensorParallelGroup | None = None
+    model_dir: str,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+    load_format: str = "auto",
 ) -> tuple[DecoderForCausalLM, PretrainedConfig]:
     """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's). Under tensor parallelism each
-    rank reads the whole checkpoint tensors and keeps its part of each."""
+    rank reads the whole checkpoint tensors and keeps its part of each. load_format "dummy": random weights of the
+    right shapes, no checkpoint read (the config still comes from `model_dir`)."""
     cfg = load_hf_config(model_dir)
     model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device, tp)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+        return model, cfg
     names = {name for name, _ in model.checkpoint_weights()}
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import rlserve
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
+from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
@@ -268,6 +269,8 @@ class OpenAIServing:
         not_serving = self.engine.not_serving
         if not_serving is not None:
             raise APIError(503, f"generation refused: {not_serving}")
+        if self.engine.rejecting_new_requests:
+            raise APIError(503, PAUSED_REFUSAL)
 
     async def _generate(
         self, request_id: str, prompts: list[ValidatedPrompt], raw: Request

@@ -36,6 +36,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # series; the per-request series of a front end are engine "0".
 ENGINE_INDEX = "0"
 ENGINE_LABELS = ("model_name", "engine")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state's (level 0: all at 0)
 
 # vLLM's buckets (vllm/v1/metrics/buckets.py), so histograms from both engines can be compared and aggregated.
 TTFT_BUCKETS = (
@@ -104,6 +105,16 @@ class _EngineCollector:
         for config in configs:
             info.add_metric(list(config.values()), 1.0)
         yield info
+        sleep = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            labels=(*ENGINE_LABELS, "sleep_state"),
+        )
+        for rank, rank_stats in enumerate(ranks):
+            for state in SLEEP_STATES:
+                sleep.add_metric([self.model_name, str(rank), state], float(rank_stats["sleep_state"] == state))
+        yield sleep
         incomplete = GaugeMetricFamily(
             "rlserve_weights_incomplete",
             "1 while generation is refused because weights are missing (sleep level 2, an abandoned update) until an "

@@ -34,6 +34,7 @@ ERROR_TYPES = {
     409: "ConflictError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
+    503: "ServiceUnavailableError",  # vLLM's type for a retryable refusal (a pause) and an unavailable engine
 }
 
 

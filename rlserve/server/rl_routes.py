@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.messages import SLEEP_MODES
+from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -80,7 +80,7 @@ class ChecksumsBody(OpenAIBaseModel):
 
 class WeightCheckerRequest(OpenAIBaseModel):
     action: Literal["checksum", "compare", "reset"]
-    # compare's expected checksums: a map of them, or a checksum response; none: the ones kept by action=checksum
+    # compare's expected checksums (required): a map of them, or a checksum response
     baseline: dict[str, StrictStr] | ChecksumsBody | None = None
 
 
@@ -114,6 +114,22 @@ def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
     return real
 
 
+def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collection[str]) -> None:
+    """reload_weights over HTTP: by keyword only, and a `weights_path` only under an allowed directory (as
+    /update_weights {"weight_dir"}): the caller must not make the server read any directory it can name."""
+    keywords = ["weights_path", "is_checkpoint_format"]
+    if body.args:
+        raise APIError(400, f"args: reload_weights takes keywords over HTTP ({keywords})", "args")
+    unknown = sorted(set(body.kwargs) - set(keywords))
+    if unknown:
+        raise APIError(400, f"kwargs: reload_weights over HTTP takes {keywords}, not {unknown}", "kwargs")
+    path = body.kwargs.get("weights_path")
+    if path is not None:
+        if not isinstance(path, str):
+            raise APIError(400, f"kwargs: weights_path must be a string, got {path!r}", "kwargs")
+        body.kwargs["weights_path"] = _allowed_weight_dir(path, allowed_weight_dirs)
+
+
 def build_rl_router(
     engine: AsyncLLM,
     active_requests: Mapping[str, list[str]],
@@ -132,7 +148,6 @@ def build_rl_router(
             metrics.observe_rl_call(request.scope["route"].path, time.perf_counter() - start)
 
     router = APIRouter(dependencies=[Depends(auth), Depends(timed)], tags=["rl"])
-    checksum_baseline: dict[str, dict[str, str]] = {}  # "baseline" -> the last checksum taken, for compare
     # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
     timed_out_rpcs: dict[str, asyncio.Future] = {}
 
@@ -166,9 +181,9 @@ def build_rl_router(
         return {"status": "sleeping", "level": level}
 
     @router.post("/wake_up")
-    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, str]:
-        await _engine_call(engine.wake_up(tags), "query.tags")
-        return {"status": "sleeping" if await engine.is_sleeping() else "awake"}
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
+        awake = await _engine_call(engine.wake_up(tags), "query.tags")
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
@@ -243,10 +258,12 @@ def build_rl_router(
         # Only the methods of the server's --worker-extension-cls, never the worker's own attributes: the caller
         # names code the operator installed, it cannot reach into the engine.
         method = body.method
-        allowed = engine.worker_extension_methods()
+        allowed = engine.worker_extension_methods() | set(ENGINE_RPC_METHODS)
         if method not in allowed:
             message = f"method: {method!r} is not a method of the worker extension (callable: {sorted(allowed)})"
             raise APIError(400, message, "method")
+        if method == "reload_weights":
+            _check_reload_args(body, allowed_weight_dirs)
         for earlier, running in list(timed_out_rpcs.items()):
             if running.done():
                 del timed_out_rpcs[earlier]
@@ -292,21 +309,23 @@ def build_rl_router(
 
     @router.post("/weight_checker")
     async def weight_checker(body: WeightCheckerRequest) -> dict[str, Any]:
-        """`checksum`: SHA-256 per checkpoint tensor (kept as the baseline); `compare`: against `baseline` (a
-        checksum map, or a checksum response) or the kept one; `reset`: forget the kept baseline."""
+        """vLLM 0.33's: `checksum`: SHA-256 per checkpoint tensor; `compare`: against `baseline` (a checksum map, or
+        a checksum response): `match` and the sorted names that differ, are missing or are extra (`mismatches`);
+        `reset`: zero every weight, to check that the next update writes them all (until it has, generation is
+        refused rather than served from zeros)."""
         action = body.action
+        if action == "reset":
+            await _engine_call(engine.collective_rpc("reset_weights"))
+            return {"status": "reset"}
+        if action == "compare" and body.baseline is None:
+            raise APIError(400, "baseline: action='compare' requires a 'baseline' object", "baseline")
+        checksums = await _engine_call(engine.weight_checksums())
         if action == "checksum":
-            checksums = await _engine_call(engine.weight_checksums())
-            checksum_baseline["baseline"] = checksums
             return {"checksums": checksums}
-        if action == "compare":
-            given = body.baseline.checksums if isinstance(body.baseline, ChecksumsBody) else body.baseline
-            baseline = given or checksum_baseline.get("baseline")
-            if baseline is None:
-                raise APIError(400, "baseline: no baseline given and none taken with action=checksum", "baseline")
-            return compare_checksums(baseline, await _engine_call(engine.weight_checksums()))
-        checksum_baseline.clear()  # reset
-        return {"status": "reset"}
+        baseline = body.baseline.checksums if isinstance(body.baseline, ChecksumsBody) else body.baseline
+        compared = compare_checksums(baseline, checksums)
+        mismatches = sorted(compared["mismatches"] + compared["missing"] + compared["unexpected"])
+        return {"match": compared["match"], "mismatches": mismatches}
 
     _add_recovery_routes(router, engine)
     return router

@@ -45,7 +45,8 @@ def test_sleep_and_wake_keep_the_outputs(qwen3_dir, make_llm, generate, level) -
 
 
 def test_level_2_needs_new_weights_and_then_equals_a_fresh_engine(qwen3_dir, qwen3_alt_dir, make_llm, generate) -> None:
-    """vLLM's colocated flow: sleep(2) -> wake_up(weights) -> update -> wake_up(kv_cache, scheduling)."""
+    """vLLM's colocated flow: sleep(2) -> wake_up(weights) -> update -> wake_up(kv_cache); awake (vLLM 0.33) once
+    weights and KV cache are both back."""
     from safetensors.torch import load_file
 
     llm = make_llm(qwen3_dir)
@@ -53,12 +54,10 @@ def test_level_2_needs_new_weights_and_then_equals_a_fresh_engine(qwen3_dir, qwe
     llm.sleep(level=2)
     with pytest.raises(RuntimeError, match="asleep"):
         llm.load_weights(load_file(str(qwen3_alt_dir / "model.safetensors")).items())
-    llm.wake_up(tags=["weights"])
+    assert llm.wake_up(tags=["weights"]) is False
     assert llm.is_sleeping()  # the KV cache is still released
     llm.load_weights(load_file(str(qwen3_alt_dir / "model.safetensors")).items())
-    llm.wake_up(tags=["kv_cache"])
-    assert llm.is_sleeping()  # scheduling was not asked for
-    llm.wake_up(tags=["scheduling"])
+    assert llm.wake_up(tags=["kv_cache"]) is True
     assert not llm.is_sleeping()
     assert _tokens(generate(llm, PROMPTS, GREEDY)) == _tokens(generate(make_llm(qwen3_alt_dir), PROMPTS, GREEDY))
 

@@ -333,3 +333,9 @@ def test_dev_mode_rl_routes_answer_without_a_key(server_model_dir: Path, tmp_pat
         assert "WITHOUT an API key" in server.log_tail(20000)
     finally:
         _stop(server)
+
+
+def test_load_format_dummy_parses_and_other_vllm_formats_are_refused(capsys: pytest.CaptureFixture) -> None:
+    assert engine_kwargs(parse("m", "--load-format", "dummy")) == {"load_format": "dummy"}
+    assert engine_kwargs(parse("m", "--load_format", "safetensors")) == {"load_format": "safetensors"}
+    assert "--load-format: invalid choice: 'pt'" in refused(capsys, "m", "--load-format", "pt")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import httpx
 from server_helpers import MODEL_NAME, Server
 
+from rlserve.model.loader import iterate_checkpoint
 from rlserve.toy import make_model_dir
+from rlserve.weight_transfer.checksum import weight_checksums
 
 
 def test_collective_rpc_calls_only_extension_methods(extension_server: Server, tmp_path) -> None:
@@ -34,3 +36,29 @@ def test_collective_rpc_calls_only_extension_methods(extension_server: Server, t
         assert http.post("/collective_rpc", json={"args": []}).status_code == 400
     # No key, no call.
     assert httpx.post(extension_server.url + "/collective_rpc", json={"method": "describe"}).status_code == 401
+
+
+def test_update_config_and_reload_weights_over_http(extension_server: Server, server_model_dir, tmp_path) -> None:
+    """vLLM's own worker methods of the dummy-start flow are callable by name; reload_weights reads the served
+    model's directory (putting back its weights whatever was loaded since), or a `weights_path` only under
+    --allowed-weight-dirs (none here)."""
+    served = weight_checksums(iterate_checkpoint(str(server_model_dir)))
+    with extension_server.client() as http:
+        to_auto = {"method": "update_config", "args": [{"load_config": {"load_format": "auto"}}]}
+        assert http.post("/collective_rpc", json=to_auto).json() == {"results": [None]}
+        bad = {"method": "update_config", "args": [{"model_config": {"model": "x"}}]}
+        refused = http.post("/collective_rpc", json=bad)
+        assert refused.status_code == 400
+        assert "model_config.model cannot be updated" in refused.json()["error"]["message"]
+        other = make_model_dir(tmp_path / "other", seed=22, initializer_range=0.2)
+        load = {"method": "load_checkpoint", "args": [str(other / "model.safetensors")]}
+        assert http.post("/collective_rpc", json=load).status_code == 200
+        assert http.post("/weight_checker", json={"action": "checksum"}).json()["checksums"] != served
+        assert http.post("/collective_rpc", json={"method": "reload_weights"}).json() == {"results": [None]}
+        assert http.post("/weight_checker", json={"action": "checksum"}).json()["checksums"] == served
+        outside = {"method": "reload_weights", "kwargs": {"weights_path": str(other)}}
+        response = http.post("/collective_rpc", json=outside)
+        assert response.status_code == 403 and response.json()["error"]["param"] == "weight_dir"
+        for bad_call, param in (({"args": [None, "/x"]}, "args"), ({"kwargs": {"weights_iterator": []}}, "kwargs")):
+            response = http.post("/collective_rpc", json={"method": "reload_weights", **bad_call})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param

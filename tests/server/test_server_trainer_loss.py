@@ -207,7 +207,7 @@ def test_abandon_by_hand_and_sleep_level_2(server: Server, new_weights_dir: Path
         assert http.post("/v1/completions", json=COMPLETION).status_code == 200
 
         assert http.post("/sleep", params={"level": 2}).status_code == 200
-        assert http.post("/wake_up").json() == {"status": "awake"}
+        assert http.post("/wake_up").json() == {"status": "awake", "tags": None}
         _refused(http.post("/v1/completions", json=COMPLETION), "sleep(level=2)")
         _refused(http.get("/health"), "sleep(level=2)")
         reload = {"weight_dir": str(new_weights_dir)}

@@ -211,3 +211,38 @@ def test_prime_rl_checkpoint_directory_update(
     assert not compare_checksums(rl.weight_checksums(), weight_checksums(new_weights.items()))["mismatches"]
     assert generate(http, prompt, None)["choices"][0]["token_ids"] != before_tokens
     rl.close()
+
+
+def test_weight_checker_compare_and_reset_as_vllm(
+    http: httpx.Client, allowed_dir: Path, server_model_dir: Path
+) -> None:
+    """vLLM 0.33's /weight_checker: `compare` needs a baseline and lists every name that differs, is missing or is
+    extra; `reset` zeroes every weight (here generation is then refused until they are written again), and
+    reload_weights by collective_rpc writes them back from the served checkpoint or an allowed directory."""
+    checksums = http.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    first, second, *_ = sorted(checksums)
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json() == {
+        "match": True,
+        "mismatches": [],
+    }
+    changed = {**{k: v for k, v in checksums.items() if k != first}, second: "0" * 64, "extra.weight": "0" * 64}
+    compared = http.post("/weight_checker", json={"action": "compare", "baseline": changed}).json()
+    assert compared == {"match": False, "mismatches": sorted([first, second, "extra.weight"])}
+    assert_error(http.post("/weight_checker", json={"action": "compare"}), 400, "baseline")
+
+    assert http.post("/weight_checker", json={"action": "reset"}).json() == {"status": "reset"}
+    compared = http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json()
+    assert compared == {"match": False, "mismatches": sorted(checksums)}
+    body = {"model": MODEL_NAME, "prompt": "after reset", **GREEDY}
+    refused = http.post("/v1/completions", json=body)
+    assert refused.status_code == 503 and "reset zeroed them" in refused.json()["error"]["message"]
+
+    step = make_model_dir(allowed_dir / "reload-step", seed=13, initializer_range=0.2)
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": str(step)}}
+    assert http.post("/collective_rpc", json=reload).json() == {"results": [None]}
+    step_checksums = weight_checksums(load_file(step / "model.safetensors").items())
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": step_checksums}).json()["match"]
+    assert http.post("/collective_rpc", json={"method": "reload_weights"}).json() == {"results": [None]}
+    served = weight_checksums(load_file(server_model_dir / "model.safetensors").items())
+    assert http.post("/weight_checker", json={"action": "compare", "baseline": served}).json()["match"]
+    assert http.post("/v1/completions", json=body).status_code == 200

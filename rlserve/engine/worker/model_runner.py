@@ -136,7 +136,7 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.model, self.hf_config = load_model(config.model, config.dtype, self.device, self.tp)
+        self.model, self.hf_config = load_model(config.model, config.dtype, self.device, self.tp, config.load_format)
         logger.info("model loaded on %s in %.1f s", self.device, time.perf_counter() - started)
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
