@@ -119,6 +119,10 @@ class SparseNCCLWeightTransferEngine(
 
     def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
         check_no_unique_id(init_info)
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and tp.size > 1:
+            # A patch's flat indices address whole checkpoint tensors; a rank holds a slice of each.
+            raise ValueError("sparse_nccl: needs tensor_parallel_size 1 (patches address whole tensors)")
         info = super().parse_init_info(init_info)
         if info.packed:
             raise ValueError(
@@ -171,10 +175,15 @@ class SparseNCCLWeightTransferEngine(
         views = dict(self.model.checkpoint_weights())
         writes = []
         for patch in patches:
-            key = self.model.checkpoint_name(patch.name)
-            if key is None:
+            keys = self.model.written_names(patch.name)
+            if not keys:
                 continue  # a tensor the model ignores, as a full update would
-            target = views[key]
+            if len(keys) != 1:
+                raise WeightUpdateRefused(
+                    f"weight {patch.name!r}: a stacked tensor; send a sparse patch per checkpoint tensor "
+                    f"({keys[0]!r}, ...)"
+                )
+            target = views[keys[0]]
             if patch.values.dtype != target.dtype:
                 raise WeightUpdateRefused(
                     f"weight {patch.name!r}: sparse values are {patch.values.dtype}, the model serves "
