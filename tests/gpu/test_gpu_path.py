@@ -65,7 +65,8 @@ def test_cuda_graphs_match_eager(model_dir):
     assert [c.token_ids for c in graphs] == [c.token_ids for c in eager]
 
 
-def test_graphs_stay_valid_after_in_place_weight_update(model_dir):
+def test_graphs_stay_valid_after_in_place_weight_update(model_dir, monkeypatch):
+    monkeypatch.setenv("RLSERVE_ENABLE_MULTIPROCESSING", "0")  # in process: the test reads the runner's weights
     llm = LLM(model_dir, dtype="bfloat16", device="cuda", num_kv_blocks=512)
     before = _greedy(llm)
     fresh = dict(llm.engine_core.runner.model.checkpoint_weights())
@@ -78,7 +79,8 @@ def test_graphs_stay_valid_after_in_place_weight_update(model_dir):
     assert [c.token_ids for c in after] != [c.token_ids for c in before]
 
 
-def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(model_dir):
+def test_sleep_frees_device_memory_and_wake_up_restores_the_outputs(model_dir, monkeypatch):
+    monkeypatch.setenv("RLSERVE_ENABLE_MULTIPROCESSING", "0")  # in process: the test measures this process's memory
     llm = LLM(model_dir, dtype="bfloat16", device="cuda", num_kv_blocks=4096)
     before = _greedy(llm)
     runner = llm.engine_core.runner

@@ -19,7 +19,7 @@ Checked against rlserve.model.moe.experts_reference under TRITON_INTERPRET=1 (te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -41,19 +41,36 @@ class TileConfig:
 INVARIANT_TILES = TileConfig(16, 64, 64, 4, 3)
 
 
-def tile_config(num_pairs: int, num_experts: int, batch_invariant: bool) -> TileConfig:
+# Of an H100/H200 SM's 227 KiB of shared memory, what the pipelined tiles may take (the rest: the epilogue's).
+SHARED_MEMORY_BUDGET = 192 * 1024
+
+
+def tile_config(num_pairs: int, num_experts: int, batch_invariant: bool, element_size: int = 2) -> TileConfig:
     """Tile shape from the mean number of rows per expert (num_pairs = tokens x top_k): the fastest of ten shapes at
-    Qwen3-30B-A3B's experts on an H200 (BENCHMARKS.md, 2026-12-01) for 1 to 16,384 tokens."""
+    Qwen3-30B-A3B's experts on an H200 in bf16 (BENCHMARKS.md, 2026-12-01) for 1 to 16,384 tokens, with fewer
+    pipeline stages where `element_size`-byte elements would overflow shared memory (fp32: a 4-stage 64x128 tile
+    asked for 240 KiB). The stages never change the reduction order, so batch invariance does not depend on them."""
     if batch_invariant:
-        return INVARIANT_TILES
-    rows_per_expert = num_pairs / num_experts
-    if rows_per_expert <= 8:
-        return TileConfig(16, 64, 128, 4, 3)
-    if rows_per_expert <= 32:
-        return TileConfig(32, 128, 64, 4, 4)
-    if rows_per_expert <= 96:
-        return TileConfig(64, 128, 64, 8, 4)
-    return TileConfig(128, 128, 64, 8, 3)
+        cfg = INVARIANT_TILES
+    else:
+        rows_per_expert = num_pairs / num_experts
+        if rows_per_expert <= 8:
+            cfg = TileConfig(16, 64, 128, 4, 3)
+        elif rows_per_expert <= 32:
+            cfg = TileConfig(32, 128, 64, 4, 4)
+        elif rows_per_expert <= 96:
+            cfg = TileConfig(64, 128, 64, 8, 4)
+        else:
+            cfg = TileConfig(128, 128, 64, 8, 3)
+    stages = cfg.num_stages
+    while stages > 2 and (stages - 1) * stage_bytes(cfg, element_size) > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return replace(cfg, num_stages=stages)
+
+
+def stage_bytes(cfg: TileConfig, element_size: int) -> int:
+    """Shared memory of one pipeline stage of the gated expert GEMM: a tile of tokens and the gate and up tiles."""
+    return (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * element_size
 
 
 def align_by_expert(
@@ -188,7 +205,7 @@ def fused_moe(
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_pairs = num_tokens * top_k
-    cfg = tile_config(num_pairs, num_experts, batch_invariant)
+    cfg = tile_config(num_pairs, num_experts, batch_invariant, x.element_size())
     sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts, cfg.block_m)
     num_blocks = block_experts.shape[0]
     precision, upcast = dot_precision(x.dtype), dot_upcast(x.dtype)

@@ -14,7 +14,14 @@ import torch
 
 interpret_helpers.require_triton()
 
-from rlserve.model.kernels.fused_moe import INVARIANT_TILES, align_by_expert, fused_moe  # noqa: E402
+from rlserve.model.kernels.fused_moe import (  # noqa: E402
+    INVARIANT_TILES,
+    SHARED_MEMORY_BUDGET,
+    align_by_expert,
+    fused_moe,
+    stage_bytes,
+    tile_config,
+)
 from rlserve.model.moe import experts_reference, route  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
@@ -83,3 +90,14 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="must be"):
         fused_moe(x, w13, w2, weights[:, :1], ids)
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, H)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_tiles_fit_in_shared_memory(element_size: int) -> None:
+    """Every token count's tile, in bf16 and fp32, pipelines within the shared-memory budget (an fp32 engine's
+    4-stage tile once asked an H200 for 240 KiB and failed to start)."""
+    for num_pairs in (1, 8 * 64, 32 * 64, 96 * 64, 1 << 16):
+        for invariant in (False, True):
+            cfg = tile_config(num_pairs, 64, invariant, element_size)
+            assert (cfg.num_stages - 1) * stage_bytes(cfg, element_size) <= SHARED_MEMORY_BUDGET, cfg
+    assert tile_config(96 * 64, 64, False, 2).num_stages == 4  # bf16 keeps the tuned stages
