@@ -94,7 +94,9 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         allowed_weight_dirs=args.allowed_weight_dirs,
     )
     log_level = args.uvicorn_log_level or args.log_level
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout_s
+    )
     await _log_start_up(engine, args)
     server = _uvicorn_server(config)
     # The start-up heap (torch, transformers, the tokenizer) is live for the whole process, yet every full

@@ -29,6 +29,11 @@ from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's: seconds an idle kept-alive connection stays open
+# Longer than the idle expiry of the usual clients (httpx 5 s, aiohttp 15 s): a client then closes an idle connection
+# before the server does, never sending a request on one the server is closing at that moment (a request lost in
+# transport; vLLM's 5 s equals httpx's and lets that race happen under load).
+DEFAULT_KEEP_ALIVE_S = 60.0
 DEFAULT_HOST = "127.0.0.1"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RL_API_AUTH = ("key", "none")
@@ -171,7 +176,26 @@ def _check_defaults(args: argparse.Namespace) -> None:
     )
 
 
-SERVE_CHECKS = (_check_model, _check_quantization, _check_rl_api_auth, _check_tool_calls, _check_defaults)
+def _check_keep_alive(args: argparse.Namespace) -> None:
+    """How long the API server keeps an idle connection open: $VLLM_HTTP_TIMEOUT_KEEP_ALIVE s, else the default."""
+    raw = os.environ.get(KEEP_ALIVE_ENV)
+    try:
+        value = DEFAULT_KEEP_ALIVE_S if raw is None else float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{KEEP_ALIVE_ENV}: expected a positive number of seconds, got {raw!r}")
+    args.keep_alive_timeout_s = value
+
+
+SERVE_CHECKS = (
+    _check_model,
+    _check_quantization,
+    _check_rl_api_auth,
+    _check_tool_calls,
+    _check_defaults,
+    _check_keep_alive,
+)
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -293,3 +317,4 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> FlagParser:
     )
     add_serve_arguments(serve)
     return serve
+

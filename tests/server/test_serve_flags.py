@@ -339,3 +339,14 @@ def test_load_format_dummy_parses_and_other_vllm_formats_are_refused(capsys: pyt
     assert engine_kwargs(parse("m", "--load-format", "dummy")) == {"load_format": "dummy"}
     assert engine_kwargs(parse("m", "--load_format", "safetensors")) == {"load_format": "safetensors"}
     assert "--load-format: invalid choice: 'pt'" in refused(capsys, "m", "--load-format", "pt")
+
+
+def test_keep_alive_outlasts_client_idle_expiry_and_vllms_variable_sets_it(capsys, monkeypatch) -> None:
+    """Idle connections stay open longer than httpx's 5 s pool expiry by default (a client then never reuses one the
+    server is closing), and vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE sets it; nonsense there is refused by name."""
+    assert parse("m").keep_alive_timeout_s == serve_flags.DEFAULT_KEEP_ALIVE_S > 5.0
+    monkeypatch.setenv(serve_flags.KEEP_ALIVE_ENV, "12.5")
+    assert parse("m").keep_alive_timeout_s == 12.5
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv(serve_flags.KEEP_ALIVE_ENV, bad)
+        assert serve_flags.KEEP_ALIVE_ENV in refused(capsys, "m")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -223,3 +224,16 @@ def test_a_collective_rpc_timeout_is_504_and_the_call_stays_visible(extension_se
         assert described.status_code == 200 and described.json()["results"][0]["device"] == "cpu"
         fast = http.post("/collective_rpc", json={"method": "nap", "args": [0.0], "timeout": 30})
         assert fast.status_code == 200 and fast.json() == {"results": [0.0]}
+
+
+def test_an_idle_connection_outlives_the_clients_pool_expiry(server: Server) -> None:
+    """A kept-alive connection left idle longer than httpx's 5 s pool expiry still takes the next request: the server
+    is not the side that closes it under a client (the race that lost requests under load, issue 20.6)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(5.5)
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
