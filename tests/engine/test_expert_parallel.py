@@ -97,6 +97,18 @@ def test_in_place_update_equals_a_fresh_engine(ep_llm, moe_dir, moe_alt_dir, mak
             assert abs(a - b) < 1e-5
 
 
+def test_batch_invariant_ep_does_not_depend_on_the_batch(moe_dir, make_llm, generate) -> None:
+    """The exchange pads and sums in a fixed order: a request's logprobs are the same bits alone (the other rank
+    idle) as among others on both ranks."""
+    llm = make_llm(moe_dir, **EP, batch_invariant=True)
+    try:
+        (alone,) = run(llm, PROMPTS[:1], greedy(), generate)
+        together = run(llm, PROMPTS * 2, greedy(), generate)
+    finally:
+        llm.shutdown()
+    assert all(sampled_logprobs(o) == sampled_logprobs(alone) for o in together[:: len(PROMPTS)])
+
+
 def test_expert_parallel_is_refused_where_it_cannot_work(moe_dir, qwen3_dir, make_llm) -> None:
     with pytest.raises(ValueError, match="enable_expert_parallel: needs data_parallel_size > 1"):
         EngineConfig(model=str(moe_dir), enable_expert_parallel=True)

@@ -786,7 +786,8 @@ class ModelRunner:
 
     def checkpoint_names(self, names) -> set[str]:
         """The entries of `weight_names` that checkpoint tensors `names` write."""
-        return {key for name in names for key in self.model.written_names(name)}
+        # Under expert parallel another rank's experts are checked here but written there: not this rank's names.
+        return {key for name in names for key in self.model.written_names(name)} & self.weight_names
 
     def snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters, written into `into` (the previous snapshot's buffers) when given: a copy
