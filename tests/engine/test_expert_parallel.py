@@ -24,13 +24,15 @@ EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_sync_
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_moe_dir(tmp_path_factory.mktemp("ep") / "tiny-moe", seed=3)
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The served model and the one an update writes (test_moe.py's two seeds)."""
+    root = tmp_path_factory.mktemp("ep")
+    return make_moe_dir(root / "served", seed=3), make_moe_dir(root / "update", seed=4)
 
 
 @pytest.fixture(scope="module")
-def moe_alt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_moe_dir(tmp_path_factory.mktemp("ep-alt") / "tiny-moe", seed=4)
+def moe_dir(moe_dirs: tuple[Path, Path]) -> Path:
+    return moe_dirs[0]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,8 @@ def test_checksums_are_the_checkpoints(ep_llm, moe_dir) -> None:
     assert ep_llm.weight_checksums() == weight_checksums(iterate_checkpoint(str(moe_dir)))
 
 
-def test_in_place_update_equals_a_fresh_engine(ep_llm, moe_dir, moe_alt_dir, make_llm, generate) -> None:
+def test_in_place_update_equals_a_fresh_engine(ep_llm, moe_dirs, make_llm, generate) -> None:
+    moe_dir, moe_alt_dir = moe_dirs
     ep_llm.reset_prefix_cache()
     before = run(ep_llm, PROMPTS, greedy(), generate)
     alt = list(iterate_checkpoint(str(moe_alt_dir)))
