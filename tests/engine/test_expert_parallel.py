@@ -78,6 +78,9 @@ def test_a_request_on_one_rank_completes_while_the_other_runs_dummy_steps(ep_llm
 
 def test_checksums_are_the_checkpoints(ep_llm, moe_dir) -> None:
     assert ep_llm.weight_checksums() == weight_checksums(iterate_checkpoint(str(moe_dir)))
+    with pytest.raises(RuntimeError, match="sleep: expert parallel: pause the engine first"):
+        ep_llm.sleep(level=1)  # LLM has no pause: an idle rank's dummy forwards would wait on a sleeping peer
+    assert not ep_llm.is_sleeping()
 
 
 def test_in_place_update_equals_a_fresh_engine(ep_llm, moe_dirs, make_llm, generate) -> None:
