@@ -9,17 +9,20 @@ checkpoint's; the flag is refused by name where it cannot work.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
-from test_moe import PROMPTS, greedy, make_moe_dir, run, sampled_logprobs
+from test_moe import MAX_TOKENS, PROMPTS, greedy, make_moe_dir, run, sampled_logprobs
 
 from rlserve.cli import build_parser
 from rlserve.config import EngineConfig
 from rlserve.engine.args import engine_kwargs
+from rlserve.engine.async_llm import AsyncLLM
 from rlserve.model.loader import iterate_checkpoint
 from rlserve.weight_transfer import weight_checksums
 
+CALL_TIMEOUT_S = 60.0  # each call returns in well under a second on an idle machine; a deadlock never does
 EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_sync_interval=4, num_kv_blocks=64)
 
 
@@ -42,10 +45,10 @@ def ep_llm(moe_dir: Path, make_llm):
     llm.shutdown()
 
 
-def one_rank(make_llm, model_dir: Path, generate, prompts=PROMPTS):
+def one_rank(make_llm, model_dir: Path, generate, prompts=PROMPTS, max_tokens: int = MAX_TOKENS):
     llm = make_llm(model_dir, in_process=True, num_kv_blocks=64)
     try:
-        return run(llm, prompts, greedy(), generate)
+        return run(llm, prompts, greedy(max_tokens), generate)
     finally:
         llm.shutdown()
 
@@ -128,3 +131,32 @@ def test_expert_parallel_is_refused_where_it_cannot_work(moe_dir, qwen3_dir, mak
         make_llm(qwen3_dir, **EP)
     args = build_parser().parse_args(["serve", str(moe_dir), "-dp", "2", "-ep"])  # vLLM's spelling, accepted
     assert engine_kwargs(args) == {"data_parallel_size": 2, "enable_expert_parallel": True}
+
+
+def test_streams_survive_a_keep_pause_with_sleep(moe_dir, make_llm, generate) -> None:
+    """A trainer's flow: pause(keep) while both ranks stream, sleep and wake (allowed once paused), resume; every
+    stream then ends with the tokens of an uninterrupted run."""
+    prompts = [[30 + i, 5, 5] for i in range(4)]
+    expected = [list(o.token_ids) for o in one_rank(make_llm, moe_dir, generate, prompts, max_tokens=64)]
+    engine = AsyncLLM(str(moe_dir), **EP)
+
+    async def stream(prompt: list[int], request_id: str, progress: dict) -> list[int]:
+        async for out in engine.generate({"prompt_token_ids": prompt}, greedy(64), request_id=request_id):
+            progress[request_id] = list(out.outputs[0].token_ids)
+        return progress[request_id]
+
+    async def go() -> list[list[int]]:
+        progress: dict[str, list[int]] = {}
+        tasks = [asyncio.create_task(stream(p, f"r{i}", progress)) for i, p in enumerate(prompts)]
+        while len(progress) < len(prompts):
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(engine.pause_generation(mode="keep"), CALL_TIMEOUT_S)
+        await asyncio.wait_for(engine.sleep(level=1), CALL_TIMEOUT_S)
+        assert await asyncio.wait_for(engine.wake_up(), CALL_TIMEOUT_S)
+        await asyncio.wait_for(engine.resume_generation(), CALL_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.gather(*tasks), CALL_TIMEOUT_S)
+
+    try:
+        assert asyncio.run(go()) == expected
+    finally:
+        engine.shutdown()
