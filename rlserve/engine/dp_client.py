@@ -10,7 +10,7 @@ cores serve them:
 - `call` sends a control call to every rank at once and waits for all: pause returns when every rank has paused,
   a weight update's collective has every rank in it. The ranks' results are combined (`COMBINE`): counters summed,
   `collective_rpc` lists concatenated, values that must agree (the weight version, checksums) compared, and a
-  disagreement raised.
+  disagreement raised; checksums are merged too (under expert parallel each rank holds only its experts).
 
 Without lockstep the ranks never wait on each other: no rank runs a collective with another (only with the trainer,
 which every rank joins as soon as it reads the call), so a fanned-out call cannot deadlock. With

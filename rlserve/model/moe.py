@@ -9,6 +9,9 @@ The router's choices can be recorded (the engine returns them: vLLM's routed exp
 each token as the engine did; the routing weights still come from the trainer's own router logits, so the router gets
 gradients): both through `ForwardContext` fields, `routed_experts` and `replay_experts`.
 
+Under expert parallel (rlserve.model.expert_parallel) a rank's FusedExperts hold only its experts, and the block
+exchanges tokens with the other ranks around them.
+
 On CUDA without autograd the experts run in the fused Triton kernel (rlserve.model.kernels.fused_moe); elsewhere in
 `experts_reference`, which is the kernel's reference and what the trainer differentiates. Both combine a token's top-k
 expert outputs in top-k order, in fp32, so a token's result never depends on the other tokens of the batch (in
