@@ -121,6 +121,12 @@ class EngineConfig:
         "every core steps while any core has work, idle ones running dummy steps (vLLM's DP waves, which expert-"
         "parallel MoE needs); pause is then agreed by all cores in two phases. Needs data_parallel_size > 1",
     )
+    enable_expert_parallel: bool = _option(
+        False,
+        "a MoE model's experts split over the data-parallel cores (vLLM's option; rlserve.model.expert_parallel): "
+        "attention stays data-parallel, each sparse layer exchanges tokens between the cores. Needs "
+        "data_parallel_size > 1, turns on data_parallel_lockstep, and runs without async scheduling or CUDA graphs",
+    )
     data_parallel_sync_interval: int = _option(
         32, "in lockstep: steps between the cores' checks of whether any has work left (a wave ends at a check)"
     )
@@ -177,6 +183,22 @@ class EngineConfig:
             raise ValueError(
                 f"data_parallel_rank must be in 0..{self.data_parallel_size - 1}, got {self.data_parallel_rank}"
             )
+        if self.enable_expert_parallel:
+            if self.data_parallel_size < 2:
+                raise ValueError(
+                    "enable_expert_parallel: needs data_parallel_size > 1 (the experts are split over the "
+                    "data-parallel ranks)"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "enable_expert_parallel: not with tensor_parallel_size > 1 yet (MoE layers are not "
+                    "tensor-parallel, so a rank's experts would need splitting over its tensor-parallel ranks too)"
+                )
+            # The layers' exchanges need every rank in every forward: lockstep, whether or not it was asked for, and
+            # one forward per step on every rank, which async scheduling does not keep (a batch's first step launches
+            # two, its last none).
+            object.__setattr__(self, "data_parallel_lockstep", True)
+            object.__setattr__(self, "async_scheduling", False)
         if self.data_parallel_lockstep and self.data_parallel_size < 2:
             # With one core there is no peer to keep in step: the flag would do nothing, so it is refused.
             raise ValueError(

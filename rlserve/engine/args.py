@@ -48,6 +48,7 @@ FLAG_ALIASES: tuple[FlagAlias, ...] = (
     FlagAlias("-dp", "data_parallel_size"),  # vLLM's short form
     FlagAlias("-tp", "tensor_parallel_size"),
     FlagAlias("-dpb", "data_parallel_backend"),  # vLLM's short form
+    FlagAlias("-ep", "enable_expert_parallel", True),
 )
 
 

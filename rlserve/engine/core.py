@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed import TCPStore
 
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name
@@ -44,9 +45,11 @@ class _InFlightStep:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, dp_store: TCPStore | None = None) -> None:
+        """`dp_store`: the data-parallel ranks' rendezvous (lockstep), for the expert-parallel group."""
         self.config = config
-        self.runner = create_runner(config)  # rank 0's, with the other tensor-parallel ranks in processes of their own
+        # rank 0's, with the other tensor-parallel ranks in processes of their own
+        self.runner = create_runner(config, dp_store)
         try:
             self._init(config)
         except BaseException:
@@ -161,6 +164,8 @@ class EngineCore:
             current = self._in_flight or self._launch(None)
             self._in_flight = None
             if current is None:
+                if self.config.enable_expert_parallel:  # the peers' forwards need this rank's (expert_parallel.py)
+                    self.dummy_step()
                 return outputs
             if self.config.async_scheduling:
                 self._in_flight = self._launch(current)

@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.dp_lockstep import LockstepLink, PeerLost
+from rlserve.engine.dp_lockstep import LockstepLink, PeerLost, rendezvous_store
 from rlserve.engine.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
 from rlserve.log import configure_logging
 
@@ -118,15 +118,26 @@ def run_engine_core(
         for name, path in startup.extra_backends.items():
             if name not in WeightTransferEngineFactory.available_engines():
                 WeightTransferEngineFactory.register_engine(name, path)
-        core = EngineCore(startup.config)
+    except BaseException as e:
+        ready.send(("error", f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+    store = None
+    if startup.config.data_parallel_lockstep:
+        try:  # waits for every rank: they start together
+            store = rendezvous_store(startup.config)
+        except BaseException as e:
+            ready.send(("error", f"data-parallel lockstep rendezvous failed: {type(e).__name__}: {e}"))
+            raise SystemExit(1) from None
+    try:
+        core = EngineCore(startup.config, store)
     except BaseException as e:
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     context = zmq.Context()
     link = None
-    if startup.config.data_parallel_lockstep:
-        try:  # waits for every rank: they start together
-            link = LockstepLink(startup.config, context)
+    if store is not None:
+        try:
+            link = LockstepLink(startup.config, context, store)
         except BaseException as e:
             ready.send(("error", f"data-parallel lockstep rendezvous failed: {type(e).__name__}: {e}"))
             raise SystemExit(1) from None

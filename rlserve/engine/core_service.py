@@ -354,6 +354,13 @@ class EngineCoreService:
         "keep" freezes them, and they recompute their KV after wake_up."""
         if mode not in SLEEP_MODES:
             raise ValueError(f"mode: sleep mode must be one of {list(SLEEP_MODES)}, got {mode!r}")
+        if self.core.config.enable_expert_parallel and not self.wave.paused:
+            # A rank without weights cannot serve its experts to a peer's forward, and a peer may be inside one
+            # until every rank has agreed to pause.
+            raise RuntimeError(
+                "sleep: expert parallel: pause the engine first (pause_generation, POST /pause), so that no rank "
+                "steps while another's experts are released"
+            )
         if mode == "abort":
             self._route(self.core.abort_requests(list(self.core.requests)))
         self.core.sleep(level)

@@ -10,7 +10,7 @@ cores serve them:
 - `call` sends a control call to every rank at once and waits for all: pause returns when every rank has paused,
   a weight update's collective has every rank in it. The ranks' results are combined (`COMBINE`): counters summed,
   `collective_rpc` lists concatenated, values that must agree (the weight version, checksums) compared, and a
-  disagreement raised.
+  disagreement raised; checksums are merged too (under expert parallel each rank holds only its experts).
 
 Without lockstep the ranks never wait on each other: no rank runs a collective with another (only with the trainer,
 which every rank joins as soon as it reads the call), so a fanned-out call cannot deadlock. With
@@ -118,15 +118,18 @@ def _same(method: str, values: list[Any]) -> Any:
 
 
 def _same_checksums(method: str, values: list[dict[str, str]]) -> dict[str, str]:
+    """The model's checksums from every rank's: each rank's part of the tensors (under expert parallel a rank holds
+    only its experts), a tensor that several ranks hold having the same checksum on each."""
+    merged = dict(values[0])
     for rank, checksums in enumerate(values[1:], start=1):
-        names = checksums.keys() | values[0].keys()
-        differ = sorted(name for name in names if checksums.get(name) != values[0].get(name))
+        differ = sorted(name for name in checksums.keys() & merged.keys() if checksums[name] != merged[name])
         if differ:
             raise RuntimeError(
                 f"{method}: data-parallel rank {rank} holds other weights than rank 0 ({len(differ)} tensors differ, "
                 f"e.g. {differ[:3]})"
             )
-    return values[0]
+        merged.update(checksums)
+    return merged
 
 
 def _every(method: str, values: list[bool]) -> bool:

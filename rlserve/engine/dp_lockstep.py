@@ -9,6 +9,8 @@ it was started.
 - The all-gather: a gloo group of the ranks on the host CPU (vLLM's choice for this flag sync, on CUDA too), built on
   a TCPStore at `data_parallel_master_ip:data_parallel_master_port` that rank 0 serves. A group of its own, not
   torch.distributed's default one, which other parts of a rank (tensor parallel workers) may own.
+  The same store (`rendezvous_store`, made before the model, which needs it under expert parallel) also builds the
+  expert-parallel group (rlserve.model.expert_parallel).
 - The notices: each rank binds a ZMQ PULL socket on `data_parallel_master_ip`, publishes its address in the store
   and connects a PUSH socket to every peer's.
 """
@@ -17,11 +19,15 @@ from __future__ import annotations
 
 import datetime
 import socket
+from typing import TYPE_CHECKING
 
 import zmq
 
 from rlserve.config import EngineConfig
 from rlserve.engine.dp_wave import SyncFlags
+
+if TYPE_CHECKING:
+    import torch.distributed
 
 # A rank waits in the all-gather for as long as a peer runs a control call between two steps (a checkpoint reload,
 # a weight update's transfer): generous. A peer that died fails the front end's liveness check long before.
@@ -40,20 +46,32 @@ class PeerLost(RuntimeError):
     """A peer rank left the group (stopped, or died): this rank cannot step in lockstep any more."""
 
 
+def rendezvous_store(config: EngineConfig) -> torch.distributed.TCPStore:
+    """The ranks' store at `data_parallel_master_ip:data_parallel_master_port`, served by rank 0; it waits for
+    every rank (they start together)."""
+    import torch.distributed as dist  # here: free_port's importers (front ends, a launcher) need no torch.distributed
+
+    rank, size = config.data_parallel_rank, config.data_parallel_size
+    return dist.TCPStore(
+        config.data_parallel_master_ip,
+        config.data_parallel_master_port,
+        size,
+        is_master=rank == 0,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+
+
 class LockstepLink:
     """One rank's end: `all_gather(flags)` blocks until every rank gave its flags; `announce(wave)` tells the peers
     a wave started; `socket` becomes readable when a peer's notice arrived (`receive` reads it)."""
 
-    def __init__(self, config: EngineConfig, context: zmq.Context) -> None:
-        import torch  # here: free_port's importers (the front ends, a trainer's launcher) need no torch.distributed
+    def __init__(self, config: EngineConfig, context: zmq.Context, store: torch.distributed.TCPStore) -> None:
+        import torch
         import torch.distributed as dist
 
         rank, size = config.data_parallel_rank, config.data_parallel_size
         self.rank, self.size = rank, size
         host = config.data_parallel_master_ip
-        store = dist.TCPStore(
-            host, config.data_parallel_master_port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT
-        )
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("rlserve/dp/gloo", store), rank, size, COLLECTIVE_TIMEOUT)
         self.socket = context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -69,14 +69,23 @@ def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(
-    cfg: PretrainedConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallelGroup | None = None
+    cfg: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallelGroup | None = None,
+    ep: TensorParallelGroup | None = None,
 ) -> DecoderForCausalLM:
-    """Allocate the model (this rank's part of it, under tensor parallelism `tp`) on the device without initialising
-    it; the caller loads weights next."""
+    """Allocate the model (this rank's part of it, under tensor parallelism `tp`, and of the experts under expert
+    parallelism `ep`) on the device without initialising it; the caller loads weights next."""
     spec = spec_from_hf_config(cfg)
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
+    extra = {}
+    if ep is not None and ep.size > 1:
+        if spec.moe is None:
+            raise ValueError(f"enable_expert_parallel: {spec.architecture} has no experts (not a MoE model)")
+        extra["ep"] = ep
     with torch.device("meta"):
-        model = MODEL_CLASSES[spec.architecture](spec, rotary, tp)
+        model = MODEL_CLASSES[spec.architecture](spec, rotary, tp, **extra)
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():
@@ -105,12 +114,13 @@ def load_model(
     device: torch.device,
     tp: TensorParallelGroup | None = None,
     load_format: str = "auto",
+    ep: TensorParallelGroup | None = None,
 ) -> tuple[DecoderForCausalLM, PretrainedConfig]:
     """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's). Under tensor parallelism each
     rank reads the whole checkpoint tensors and keeps its part of each. load_format "dummy": random weights of the
     right shapes, no checkpoint read (the config still comes from `model_dir`)."""
     cfg = load_hf_config(model_dir)
-    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device, tp)
+    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device, tp, ep)
     if load_format == "dummy":
         initialize_dummy_weights(model)
         return model, cfg

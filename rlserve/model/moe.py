@@ -9,6 +9,9 @@ The router's choices can be recorded (the engine returns them: vLLM's routed exp
 each token as the engine did; the routing weights still come from the trainer's own router logits, so the router gets
 gradients): both through `ForwardContext` fields, `routed_experts` and `replay_experts`.
 
+Under expert parallel (rlserve.model.expert_parallel) a rank's FusedExperts hold only its experts, and the block
+exchanges tokens with the other ranks around them.
+
 On CUDA without autograd the experts run in the fused Triton kernel (rlserve.model.kernels.fused_moe); elsewhere in
 `experts_reference`, which is the kernel's reference and what the trainer differentiates. Both combine a token's top-k
 expert outputs in top-k order, in fp32, so a token's result never depends on the other tokens of the batch (in
@@ -24,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlserve.model import batch_invariant
+from rlserve.model import batch_invariant, expert_parallel
+from rlserve.model.expert_parallel import ExpertShard
 from rlserve.model.layers import Linear, ShardSlice, fused_kernels, silu_and_mul
+from rlserve.model.parallel import TensorParallelGroup
 
 if TYPE_CHECKING:
     from rlserve.model.models.llama import ForwardContext
@@ -106,33 +111,44 @@ def experts_reference(
     weights: torch.Tensor,
     ids: torch.Tensor,
     batch_invariant_mode: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The experts in PyTorch: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, K] -> [T, H].
+    """The experts in PyTorch: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, K] -> [T, H] (in
+    `out_dtype`, default x's). An id of -1 is an expert held elsewhere (expert parallel): that term is left out.
 
     Differentiable (the trainer's forward); its per-expert loop reads the expert counts on the host."""
     num_tokens, top_k = ids.shape
     linear = batch_invariant.linear if batch_invariant_mode else F.linear
     flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    outputs, start = [], 0
-    for expert, count in enumerate(counts):
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, the absent ones (-1) first
+    counts = torch.bincount(flat + 1, minlength=w13.shape[0] + 1).tolist()
+    outputs, start = [], counts[0]
+    for expert, count in enumerate(counts[1:]):
         if count:
             rows = order[start : start + count]
             h = silu_and_mul(linear(x[rows // top_k], w13[expert]))
             outputs.append(linear(h, w2[expert]))
             start += count
+    out_dtype = out_dtype or x.dtype
     if not outputs:
-        return x.new_zeros(x.shape)
-    y = torch.cat(outputs)[torch.argsort(order)].view(num_tokens, top_k, -1)
-    return combine_topk(y, weights, x.dtype)
+        return x.new_zeros(x.shape, dtype=out_dtype)
+    if counts[0]:
+        y = x.new_zeros(num_tokens * top_k, x.shape[1])
+        y[order[counts[0] :]] = torch.cat(outputs)
+    else:
+        y = torch.cat(outputs)[torch.argsort(order)]
+    return combine_topk(y.view(num_tokens, top_k, -1), weights, out_dtype)
 
 
 class FusedExperts(nn.Module):
-    """The experts' weights, stacked: gate_up_proj [E * 2I, H], down_proj [E * H, I] (see the module docstring)."""
+    """The experts' weights, stacked: gate_up_proj [E * 2I, H], down_proj [E * H, I] (see the module docstring). Under
+    expert parallel, E is this rank's experts (`experts`): the others' checkpoint tensors resolve to empty slices,
+    checked for shape and written nowhere."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, experts: ExpertShard, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.experts = experts
+        num_experts = experts.num_local
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
@@ -145,8 +161,10 @@ class FusedExperts(nn.Module):
 
     def shard(self, expert: int, checkpoint_name: str) -> tuple[nn.Parameter, ShardSlice]:
         """The parameter holding checkpoint tensor `experts.<expert>.<checkpoint_name>.weight` and where: a block of
-        its rows, the whole checkpoint tensor."""
+        its rows, the whole checkpoint tensor (none of it for another rank's expert). `expert`: the global index."""
         size, hidden = self.intermediate_size, self.hidden_size
+        local = self.experts.is_local(expert)
+        expert -= self.experts.first
         if checkpoint_name == "gate_proj":
             param, first, rows = self.gate_up_proj, expert * 2 * size, size
         elif checkpoint_name == "up_proj":
@@ -155,18 +173,22 @@ class FusedExperts(nn.Module):
             param, first, rows = self.down_proj, expert * hidden, hidden
         else:
             raise KeyError(checkpoint_name)
-        return param, ShardSlice((rows, param.shape[1]), dim=0, start=0, length=rows, offset=first)
+        length = rows if local else 0
+        return param, ShardSlice((rows, param.shape[1]), dim=0, start=0, length=length, offset=first if local else 0)
 
 
 class SparseMoeBlock(nn.Module):
     """Router + experts of one decoder layer (Hugging Face's Qwen3MoeSparseMoeBlock: `gate`, `experts`)."""
 
-    def __init__(self, spec: MoESpec, hidden_size: int, layer_idx: int) -> None:
+    def __init__(self, spec: MoESpec, hidden_size: int, layer_idx: int, ep: TensorParallelGroup) -> None:
+        """`ep`: the expert-parallel group (rlserve.model.expert_parallel); one rank holds every expert."""
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
+        self.ep = ep
+        shard = expert_parallel.shard_experts(spec.num_experts, ep)
         self.gate = Linear(hidden_size, spec.num_experts, bias=False)
-        self.experts = FusedExperts(spec.num_experts, hidden_size, spec.intermediate_size)
+        self.experts = FusedExperts(shard, hidden_size, spec.intermediate_size)
         self.batch_invariant = False  # set by DecoderForCausalLM.set_batch_invariant through the model's modules
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -176,6 +198,13 @@ class SparseMoeBlock(nn.Module):
             weights, ids = replay_route(logits, ids, ctx.replay_experts[:, self.layer_idx], self.spec.norm_topk_prob)
         if ctx.routed_experts is not None:  # a static buffer (CUDA graphs): rows past this batch are left alone
             ctx.routed_experts[: ids.shape[0], self.layer_idx] = ids.to(ctx.routed_experts.dtype)
+        if self.ep.size > 1:
+            sent = expert_parallel.dispatch(self.ep, x, weights, ids)
+            ids = expert_parallel.local_ids(sent.ids, self.experts.experts)
+            partial = experts_reference(
+                sent.x, self.experts.w13(), self.experts.w2(), sent.weights, ids, self.batch_invariant, torch.float32
+            )
+            return expert_parallel.combine(self.ep, partial, sent, x.dtype)
         if fused_kernels(x) is not None:
             from rlserve.model.kernels.fused_moe import fused_moe
 

@@ -31,10 +31,17 @@ class TensorParallelGroup:
 
     @classmethod
     def join(
-        cls, store: dist.Store, rank: int, size: int, timeout_s: float, deterministic: bool = False
+        cls,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        deterministic: bool = False,
+        prefix: str = "rlserve/tp",
     ) -> TensorParallelGroup:
-        """Rank `rank`'s end of the group over `store` (rank 0's `serve_store`, or a client of it)."""
-        return cls(rank, size, deterministic, dist.PrefixStore("rlserve/tp", store), timedelta(seconds=timeout_s))
+        """Rank `rank`'s end of the group over `store` (rank 0's `serve_store`, or a client of it). The
+        expert-parallel group (rlserve.model.expert_parallel) is one too, under its own `prefix`."""
+        return cls(rank, size, deterministic, dist.PrefixStore(prefix, store), timedelta(seconds=timeout_s))
 
     def _backend(self, device: torch.device):
         kind = device.type

@@ -57,7 +57,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--enable-lora",), _LORA),
     Unsupported(("--max-lora-rank",), _LORA, True),
     Unsupported(("--max-loras",), _LORA, True),
-    Unsupported(("--enable-expert-parallel", "-ep"), "expert parallelism is not supported yet"),
     Unsupported(("--reasoning-parser",), "reasoning parsing is not supported yet", True),
 )
 

@@ -123,6 +123,10 @@ class SparseNCCLWeightTransferEngine(
         if tp is not None and tp.size > 1:
             # A patch's flat indices address whole checkpoint tensors; a rank holds a slice of each.
             raise ValueError("sparse_nccl: needs tensor_parallel_size 1 (patches address whole tensors)")
+        ep = getattr(self.model, "ep", None)
+        if ep is not None and ep.size > 1:
+            # A patch of another rank's expert would be checked against a tensor this rank does not hold.
+            raise ValueError("sparse_nccl: not with enable_expert_parallel yet (a rank holds only its experts)")
         info = super().parse_init_info(init_info)
         if info.packed:
             raise ValueError(

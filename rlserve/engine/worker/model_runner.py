@@ -118,10 +118,16 @@ class ModelRunner:
     the calls that change a rank's state run on every rank (`mirrored`)."""
 
     def __init__(
-        self, config: EngineConfig, tp: TensorParallelGroup | None = None, followers: Followers | None = None
+        self,
+        config: EngineConfig,
+        tp: TensorParallelGroup | None = None,
+        followers: Followers | None = None,
+        ep: TensorParallelGroup | None = None,
     ) -> None:
+        """`ep`: the expert-parallel group (of the data-parallel ranks) a MoE model's experts are split over."""
         self.config = config
         self.tp = tp or TensorParallelGroup()
+        self.ep = ep or TensorParallelGroup()
         self.followers = followers
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -136,7 +142,9 @@ class ModelRunner:
 
     def _build(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        self.model, self.hf_config = load_model(config.model, config.dtype, self.device, self.tp, config.load_format)
+        self.model, self.hf_config = load_model(
+            config.model, config.dtype, self.device, self.tp, config.load_format, self.ep
+        )
         logger.info("model loaded on %s in %.1f s", self.device, time.perf_counter() - started)
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
@@ -216,7 +224,10 @@ class ModelRunner:
         return None if self.routed_experts is None else self.routed_experts.device_rows
 
     def _capture_graphs(self) -> None:
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.ep.size > 1:
+            # A layer's exchange reads the ranks' token counts on the host, which a graph cannot replay.
+            logger.warning("enable_expert_parallel: decode runs eagerly (no CUDA graphs under expert parallel)")
+        elif self.device.type == "cuda" and not self.config.enforce_eager:
             self.cuda_graphs = DecodeCUDAGraphs(
                 self.model,
                 self.kv_caches,
@@ -682,6 +693,7 @@ class ModelRunner:
             self.followers.shutdown()
             self.followers = None
         self.tp.shutdown()
+        self.ep.shutdown()
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the CUDA graphs that read it (they record its addresses)."""
@@ -774,7 +786,8 @@ class ModelRunner:
 
     def checkpoint_names(self, names) -> set[str]:
         """The entries of `weight_names` that checkpoint tensors `names` write."""
-        return {key for name in names for key in self.model.written_names(name)}
+        # Under expert parallel another rank's experts are checked here but written there: not this rank's names.
+        return {key for name in names for key in self.model.written_names(name)} & self.weight_names
 
     def snapshot_weights(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Host copies of the parameters, written into `into` (the previous snapshot's buffers) when given: a copy

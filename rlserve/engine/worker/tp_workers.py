@@ -30,6 +30,7 @@ import torch
 from torch.distributed import TCPStore
 
 from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.engine.dp_lockstep import COLLECTIVE_TIMEOUT
 from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import ModelRunner
@@ -66,10 +67,27 @@ def rank_device(config: EngineConfig, rank: int) -> str:
     return f"cuda:{first + rank}"
 
 
-def create_runner(config: EngineConfig) -> ModelRunner:
+def create_runner(config: EngineConfig, dp_store: TCPStore | None = None) -> ModelRunner:
     """Rank 0's runner; under tensor parallelism it starts the followers first (they build their parts of the model
-    in step with it) and waits until each is ready."""
+    in step with it) and waits until each is ready. Under expert parallelism (no tensor parallelism) it joins the
+    expert-parallel group of the data-parallel ranks over their store, `dp_store`."""
     size = config.tensor_parallel_size
+    if config.enable_expert_parallel:
+        if dp_store is None:
+            raise ValueError("enable_expert_parallel: needs the data-parallel ranks' store (lockstep engine cores)")
+        ep = TensorParallelGroup.join(
+            dp_store,
+            config.data_parallel_rank,
+            config.data_parallel_size,
+            COLLECTIVE_TIMEOUT.total_seconds(),  # a step's exchange waits for a peer busy with a control call
+            deterministic=config.batch_invariant,
+            prefix="rlserve/ep",
+        )
+        try:
+            return ModelRunner(config, ep=ep)
+        except BaseException:
+            ep.shutdown()
+            raise
     if size == 1:
         return ModelRunner(config)
     store = serve_store(STORE_ADDRESS, GROUP_TIMEOUT_S)

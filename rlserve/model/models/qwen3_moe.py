@@ -21,17 +21,25 @@ from rlserve.model.parallel import TensorParallelGroup
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        spec: DecoderSpec,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup | None = None,
+        ep: TensorParallelGroup | None = None,
+    ) -> None:
+        """`ep`: the expert-parallel group (the data-parallel ranks) the experts are split over."""
         if spec.moe is None:
             raise ValueError(f"{spec.architecture}: a MoE model needs the MoE fields of its config")
         if tp is not None and tp.size > 1:
-            # The experts would need splitting (tensor- or expert-parallel MoE), which is not built yet.
+            # The experts would need splitting (tensor-parallel MoE), which is not built yet.
             raise ValueError(f"tensor_parallel_size: {spec.architecture} runs on one rank (MoE layers are not sharded)")
+        self.ep = ep or TensorParallelGroup()
         super().__init__(spec, rotary, tp)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         if self.spec.moe.is_sparse(layer_idx):
-            return SparseMoeBlock(self.spec.moe, self.spec.hidden_size, layer_idx)
+            return SparseMoeBlock(self.spec.moe, self.spec.hidden_size, layer_idx, self.ep)
         return super().make_mlp(layer_idx)
 
     def set_batch_invariant(self, enabled: bool) -> None:
@@ -46,7 +54,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         if len(parts) == 8 and parts[4] == "experts" and parts[-1] == "weight" and parts[5].isdigit():
             experts = self._experts_of(".".join(parts[:5]))
             expert = int(parts[5])
-            if experts is not None and expert < experts.num_experts:
+            if experts is not None and expert < experts.experts.total:
                 try:
                     return experts.shard(expert, parts[6])
                 except KeyError:
@@ -65,7 +73,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         experts = self._experts_of(prefix)
         if experts is None:
             return None
-        e, h, i = experts.num_experts, experts.hidden_size, experts.intermediate_size
+        e, h, i = experts.experts.total, experts.hidden_size, experts.intermediate_size
         if attr == "gate_up_proj":
             return experts, ("gate_proj", "up_proj"), (e, 2 * i, h)
         return experts, ("down_proj",), (e, h, i)
@@ -83,7 +91,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         rows = expected[1] // len(subs)
         return [
             (f"{prefix}.{expert}.{sub}.weight", (expert, slice(j * rows, (j + 1) * rows)))
-            for expert in range(experts.num_experts)
+            for expert in range(experts.experts.total)
             for j, sub in enumerate(subs)
         ]
 
@@ -126,14 +134,16 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         return module if isinstance(module, FusedExperts) else None
 
     def checkpoint_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """As the dense model's, with each expert's gate/up/down tensors under their checkpoint names."""
+        """As the dense model's, with each expert's gate/up/down tensors under their checkpoint names (this rank's
+        experts under expert parallel: the engine's checksums merge the ranks' sets)."""
         for name, tensor in super().checkpoint_weights():
             prefix, _, attr = name.rpartition(".")
             experts = self._experts_of(prefix)
             if experts is None:
                 yield name, tensor
-            elif attr == "gate_up_proj":  # once per layer: every expert's three tensors
-                for expert in range(experts.num_experts):
+            elif attr == "gate_up_proj":  # once per layer: every (local) expert's three tensors
+                shard = experts.experts
+                for expert in range(shard.first, shard.first + shard.num_local):
                     for sub in ("gate_proj", "up_proj", "down_proj"):
                         param, sl = experts.shard(expert, sub)
                         yield f"{prefix}.{expert}.{sub}.weight", sl.of_param(param.data)
