@@ -59,6 +59,7 @@ from rlserve.weight_transfer import (
     plan_buckets,
     tensor_sha256,
 )
+from rlserve.weight_transfer.packed import slot_buffers
 from rlserve.weight_transfer.sparse_nccl import SparseDelta
 
 MIB = 1 << 20
@@ -208,11 +209,6 @@ def broadcast_buckets(group: Any, buffers: list[torch.Tensor], sizes: list[int])
         in_flight.popleft().wait()
 
 
-def bucket_buffers(sizes: list[int], num_buffers: int, device: torch.device) -> list[torch.Tensor]:
-    slots = min(num_buffers, len(sizes))
-    return [torch.empty(max(sizes[s::slots]), dtype=torch.uint8, device=device) for s in range(slots)]
-
-
 # --- control channel: JSON bytes over a pipe (no pickle) ----------------------------------------------------------
 
 
@@ -263,7 +259,7 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
         if cmd["cmd"] == "exit":
             break
         if cmd["cmd"] == "raw":  # the ceilings: one broadcast of the model's size, or the bucket sequence
-            buffers = bucket_buffers(cmd["sizes"], cmd["num_buffers"], device)
+            buffers = slot_buffers(cmd["sizes"], cmd["num_buffers"], device)
             for _ in range(cmd["reps"]):
                 _recv(conn)  # go
                 broadcast_buckets(group, buffers, cmd["sizes"])
@@ -477,7 +473,7 @@ def run(
 
     def raw_broadcast(sizes: list[int], num_buffers: int) -> float:
         """Median seconds of the raw bucket sequence `sizes`, the trainer sending concurrently."""
-        bufs = bucket_buffers(sizes, num_buffers, engine_device)
+        bufs = slot_buffers(sizes, num_buffers, engine_device)
         _send(engine_end, {"cmd": "raw", "sizes": sizes, "num_buffers": num_buffers, "reps": reps})
         raw = []
         for _ in range(reps):

@@ -195,6 +195,13 @@ class PackedSender:
                 pending.wait()
 
 
+def slot_buffers(sizes: Sequence[int], num_buffers: int, device: torch.device) -> list[torch.Tensor]:
+    """The alternating receive buffers of a bucket sequence: bucket i goes into buffer i % len(result), each buffer
+    as large as the largest bucket it holds (no more buffers than buckets)."""
+    slots = min(num_buffers, len(sizes))
+    return [torch.empty(max(sizes[s::slots]), dtype=torch.uint8, device=device) for s in range(slots)]
+
+
 class PackedReceiver:
     """Consumer of bucketed broadcasts (packed, or tensor by tensor): `receive` takes the tensors bucket by bucket
     into `num_buffers` alternating buffers and calls `load_weights` once per bucket, in order, the next bucket's
@@ -246,9 +253,8 @@ class PackedReceiver:
         if not buckets:
             return
         sizes = [sum(m.nbytes for m in bucket) for bucket in buckets]
-        slots = min(num_buffers, len(buckets))
-        # Bucket i uses buffer i % slots, each as large as the largest bucket it holds.
-        buffers = [torch.empty(max(sizes[s::slots]), dtype=torch.uint8, device=device) for s in range(slots)]
+        buffers = slot_buffers(sizes, num_buffers, device)
+        slots = len(buffers)
         streams = self._receive_and_unpack_streams(device)
         receive_stream, unpack_stream = streams or (None, None)
         caller = torch.cuda.current_stream(device) if streams else None
