@@ -23,7 +23,10 @@ Seconds are per full update (median): for ipc the trainer's `trainer_send_weight
 engine has loaded every chunk; for nccl/gloo from the engine's go signal until its `receive_weights` returned, the
 trainer sending concurrently. GB/s = model bytes / seconds. The ceiling measured in the same run: for ipc a device
 copy of the model's size (floor = bytes read + written at the copy bandwidth) and the per-tensor copy of all weights;
-for nccl/gloo a raw broadcast of the model's size over the same group. Memory (CUDA): peak allocated above each
+for nccl/gloo a raw broadcast of the model's size over the same group ("raw"), and per packed configuration the same
+bucket sequence broadcast without packing or unpacking ("raw buckets": bucket i from/into buffer i % bufs, bufs
+broadcasts in flight), so "of raw buckets" isolates the packing and unpacking not hidden behind the transfer.
+Memory (CUDA): peak allocated above each
 side's resident weights during the configuration, and allocated after the first and after the last update (after
 `torch.cuda.ipc_collect()`), which must be equal. The control channel is a pipe carrying JSON bytes.
 """
@@ -38,6 +41,7 @@ import socket
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -52,8 +56,10 @@ from rlserve.weight_transfer import (
     IPCWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
+    plan_buckets,
     tensor_sha256,
 )
+from rlserve.weight_transfer.packed import slot_buffers
 from rlserve.weight_transfer.sparse_nccl import SparseDelta
 
 MIB = 1 << 20
@@ -186,6 +192,23 @@ def copy_ceilings(weights: dict[str, torch.Tensor], device: torch.device) -> dic
     return {"copy_bw_gbps": 2 * nbytes / big / 1e9, "copy_floor_s": big, "per_tensor_s": each}
 
 
+def bucket_sizes(weights: dict[str, torch.Tensor], buffer_size_bytes: int) -> list[int]:
+    sizes = [t.nbytes for t in weights.values()]
+    return [sum(sizes[i] for i in bucket) for bucket in plan_buckets(sizes, buffer_size_bytes)]
+
+
+def broadcast_buckets(group: Any, buffers: list[torch.Tensor], sizes: list[int]) -> None:
+    """The raw bucket sequence, the same on both sides: bucket i from/into buffer i % len(buffers), as many in
+    flight as there are buffers (a broadcast into a buffer is issued once the previous one in it is done)."""
+    in_flight: deque[Any] = deque()
+    for i, size in enumerate(sizes):
+        if len(in_flight) == len(buffers):
+            in_flight.popleft().wait()
+        in_flight.append(group.broadcast(buffers[i % len(buffers)][:size]))
+    while in_flight:
+        in_flight.popleft().wait()
+
+
 # --- control channel: JSON bytes over a pipe (no pickle) ----------------------------------------------------------
 
 
@@ -235,13 +258,13 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
         cmd = _recv(conn)
         if cmd["cmd"] == "exit":
             break
-        if cmd["cmd"] == "raw":  # the ceiling: one broadcast of the model's size
-            buf = torch.empty(cmd["nbytes"], dtype=torch.uint8, device=device)
+        if cmd["cmd"] == "raw":  # the ceilings: one broadcast of the model's size, or the bucket sequence
+            buffers = slot_buffers(cmd["sizes"], cmd["num_buffers"], device)
             for _ in range(cmd["reps"]):
                 _recv(conn)  # go
-                group.broadcast(buf).wait()
+                broadcast_buckets(group, buffers, cmd["sizes"])
                 _sync(device)
-            del buf
+            del buffers
             continue
         if cmd["cmd"] == "sparse":
             _trainer_sparse(conn, weights, cmd, MODELS[spec["model"]])
@@ -350,6 +373,8 @@ class Row:
     seconds: float
     gbps: float
     fraction: float
+    raw_buckets_s: float | None = None
+    fraction_of_raw_buckets: float | None = None
     trainer_peak_extra_mib: float | None = None
     engine_peak_extra_mib: float | None = None
     trainer_mem_first_last_mib: tuple[float, float] | None = None
@@ -373,7 +398,7 @@ def _update_info(weights: dict[str, torch.Tensor], cmd: dict[str, Any]) -> dict[
     }
 
 
-def _configs(backend: str, buffers: list[int], updates: int) -> list[dict[str, Any]]:
+def _configs(backend: str, buffers: list[int], updates: int, num_buffers: list[int]) -> list[dict[str, Any]]:
     if backend == "ipc":  # num_buffers has no meaning for ipc: one staging buffer
         return [{"packed": False, "buffer": buffers[-1], "num_buffers": 1, "updates": updates}] + [
             {"packed": True, "buffer": b, "num_buffers": 1, "updates": updates} for b in buffers
@@ -382,12 +407,19 @@ def _configs(backend: str, buffers: list[int], updates: int) -> list[dict[str, A
         {"packed": packed, "buffer": b, "num_buffers": n, "updates": updates}
         for packed in (False, True)
         for b in buffers
-        for n in (1, 2)
+        for n in num_buffers
     ]
 
 
 def run(
-    backend: str, model: str, buffers: list[int], updates: int, threads: int | None, sparse: bool = False
+    backend: str,
+    model: str,
+    buffers: list[int],
+    updates: int,
+    threads: int | None,
+    sparse: bool = False,
+    num_buffers: tuple[int, ...] = (1, 2),
+    packed_only: bool = False,
 ) -> tuple[list[Row], dict[str, Any]]:
     if backend == "ipc":
         engine_device = trainer_device = torch.device("cuda", 0)
@@ -419,8 +451,8 @@ def run(
         info.update(copy_ceilings(expected, engine_device))
 
     def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in weights:
-            target[name].copy_(tensor)
+        # One multi-tensor copy, as the engine's loader (LlamaForCausalLM.load_weights) does.
+        torch._foreach_copy_([target[name] for name, _ in weights], [tensor for _, tensor in weights])
 
     port = _free_port()
     spec = {"backend": backend, "model": model, "trainer_device": str(trainer_device), "port": port, "threads": threads}
@@ -437,25 +469,33 @@ def run(
         engine.init_transfer_engine(
             engine.parse_init_info({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
         )
+    reps = max(3, updates // 2)
+
+    def raw_broadcast(sizes: list[int], num_buffers: int) -> float:
+        """Median seconds of the raw bucket sequence `sizes`, the trainer sending concurrently."""
+        bufs = slot_buffers(sizes, num_buffers, engine_device)
+        _send(engine_end, {"cmd": "raw", "sizes": sizes, "num_buffers": num_buffers, "reps": reps})
+        raw = []
+        for _ in range(reps):
+            _send(engine_end, {"go": True})
+            t0 = time.perf_counter()
+            broadcast_buckets(engine.group, bufs, sizes)
+            _sync(engine_device)
+            raw.append(time.perf_counter() - t0)
+        return statistics.median(raw[1:])
+
     rows: list[Row] = []
     try:
         if backend != "ipc":
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=engine_device)
-            reps = max(3, updates // 2)
-            _send(engine_end, {"cmd": "raw", "nbytes": nbytes, "reps": reps})
-            raw = []
-            for _ in range(reps):
-                _send(engine_end, {"go": True})
-                t0 = time.perf_counter()
-                engine.group.broadcast(buf, src=0).wait()
-                _sync(engine_device)
-                raw.append(time.perf_counter() - t0)
-            del buf
-            info["raw_broadcast_s"] = statistics.median(raw[1:])
+            info["raw_broadcast_s"] = raw_broadcast([nbytes], 1)
             info["raw_broadcast_gbps"] = nbytes / info["raw_broadcast_s"] / 1e9
         ceiling_s = info["copy_floor_s"] if backend == "ipc" else info["raw_broadcast_s"]
 
-        for cmd in _configs(backend, buffers, updates):
+        configs = _configs(backend, buffers, updates, list(num_buffers))
+        for cmd in [c for c in configs if c["packed"] or not packed_only]:
+            raw_buckets_s = None
+            if backend != "ipc" and cmd["packed"]:  # measured next to its configuration, under the same load
+                raw_buckets_s = raw_broadcast(bucket_sizes(expected, cmd["buffer"]), cmd["num_buffers"])
             for t in target.values():
                 t.zero_()
             memory = MemoryProbe(engine_device)
@@ -496,6 +536,8 @@ def run(
                     seconds=seconds,
                     gbps=nbytes / seconds / 1e9,
                     fraction=ceiling_s / seconds,
+                    raw_buckets_s=raw_buckets_s,
+                    fraction_of_raw_buckets=None if raw_buckets_s is None else raw_buckets_s / seconds,
                     trainer_peak_extra_mib=trainer_mem["peak_extra_mib"],
                     engine_peak_extra_mib=engine_mem["peak_extra_mib"],
                     trainer_mem_first_last_mib=_pair(trainer_mem),
@@ -601,6 +643,8 @@ def print_table(rows: list[Row], info: dict[str, Any]) -> None:
         "seconds",
         "GB/s",
         "of ceiling",
+        "raw buckets s",
+        "of raw buckets",
         "trainer +MiB",
         "engine +MiB",
         "trainer MiB 1st→last",
@@ -614,6 +658,8 @@ def print_table(rows: list[Row], info: dict[str, Any]) -> None:
             f"{r.seconds:.4f}",
             f"{r.gbps:.2f}",
             f"{r.fraction:.1%}",
+            _fmt(r.raw_buckets_s, ".4f"),
+            _fmt(r.fraction_of_raw_buckets, ".1%"),
             _fmt(r.trainer_peak_extra_mib, ".0f"),
             _fmt(r.engine_peak_extra_mib, ".0f"),
             _fmt(r.trainer_mem_first_last_mib, ".0f"),
@@ -635,6 +681,15 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, nargs="+", default=None, help="packed buffer sizes to try")
     parser.add_argument("--updates", type=int, default=None, help="updates per configuration")
     parser.add_argument(
+        "--num-buffers",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="nccl/gloo: packed_num_buffers to try; 1 = no overlap (receive, load, receive...), >= 2 = the next "
+        "bucket received while one is loaded",
+    )
+    parser.add_argument("--packed-only", action="store_true", help="nccl/gloo: leave out the unpacked rows")
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -653,7 +708,9 @@ def main() -> None:
     threads = args.threads or (1 if args.backend == "gloo" else None)
     if args.sparse and args.backend != "ipc":
         raise SystemExit("--sparse runs with --backend ipc (one GPU)")
-    rows, info = run(args.backend, model, buffers, updates, threads, args.sparse)
+    rows, info = run(
+        args.backend, model, buffers, updates, threads, args.sparse, tuple(args.num_buffers), args.packed_only
+    )
     print_table(rows, info)
     if args.out:
         with open(args.out, "w") as f:

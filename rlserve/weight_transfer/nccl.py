@@ -33,7 +33,7 @@ from rlserve.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from rlserve.weight_transfer.packed import PackedSender, as_bytes, receive_buckets, tensor_metas
+from rlserve.weight_transfer.packed import PackedReceiver, PackedSender, as_bytes, tensor_metas
 from rlserve.weight_transfer.source import ParamMeta, WeightSource
 from rlserve.weight_transfer.trainer import (
     TrainerInitInfo,
@@ -238,6 +238,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         self._group: WeightTransferGroup | None = None
         self._init_info: NCCLWeightTransferInitInfo | None = None
         self._last_metadata: tuple[list[str], list[str], list[list[int]]] | None = None
+        self._receiver = PackedReceiver()  # its CUDA streams serve every update, across re-inits
 
     @property
     def group(self) -> WeightTransferGroup | None:
@@ -269,7 +270,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         elif self._last_metadata is not None:
             names, dtype_names, shapes = self._last_metadata
             update_info = replace(update_info, names=names, dtype_names=dtype_names, shapes=shapes)
-        receive_buckets(
+        self._receiver.receive(
             tensor_metas(update_info),
             lambda tensor: receive_broadcast(group, tensor, self.timeout_s),
             load_weights,

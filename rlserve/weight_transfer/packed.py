@@ -195,55 +195,116 @@ class PackedSender:
                 pending.wait()
 
 
-def receive_buckets(
-    metas: Sequence[TensorMeta],
-    broadcast: BroadcastFn,
-    load_weights: LoadWeightsFn,
-    buffer_size_bytes: int,
-    num_buffers: int,
-    device: torch.device,
-    packed: bool,
-) -> None:
-    """Consumer: receive the tensors described by `metas`, bucket by bucket, with up to `num_buffers` buckets in
-    flight, calling `load_weights` once per bucket in order. If `load_weights` raises, the remaining buckets are
-    still received (and dropped) before the error is re-raised.
+def slot_buffers(sizes: Sequence[int], num_buffers: int, device: torch.device) -> list[torch.Tensor]:
+    """The alternating receive buffers of a bucket sequence: bucket i goes into buffer i % len(result), each buffer
+    as large as the largest bucket it holds (no more buffers than buckets)."""
+    slots = min(num_buffers, len(sizes))
+    return [torch.empty(max(sizes[s::slots]), dtype=torch.uint8, device=device) for s in range(slots)]
 
-    `packed=True` mirrors `PackedSender.send` (one flat buffer per bucket, unpacked into views). `packed=False`
-    mirrors a sender that broadcasts tensor by tensor: each tensor is received into its own `torch.empty(shape,
-    dtype)` and the buckets only batch the `load_weights` calls and bound the memory held.
+
+class PackedReceiver:
+    """Consumer of bucketed broadcasts (packed, or tensor by tensor): `receive` takes the tensors bucket by bucket
+    into `num_buffers` alternating buffers and calls `load_weights` once per bucket, in order, the next bucket's
+    receive already issued while the current one is loaded (with one buffer: receive, load, receive...).
+
+    The double-buffer hazards are excluded by construction:
+    - every buffer is allocated before the first receive and kept to the end, so none is freed (and handed out by
+      the allocator) while a stream may still use it;
+    - a buffer gets its next receive only after the load of its previous bucket: on the host, once `load_weights`
+      returned (gloo); on CUDA, the receive stream waits for an event recorded on the unpack stream after that load;
+    - a bucket is loaded only after its receive: the unpack stream (host, on CPU) waits for the receive's Work.
+
+    On CUDA the receives are issued on one stream and the loads run on another, both after the caller's stream (the
+    model may still be read there), and the caller's stream waits for the loads at the end. Keep one per engine-side
+    connection: its streams are created once (fresh streams per call leak allocator pools, as on the sender).
     """
-    _check_params(buffer_size_bytes, num_buffers)
-    in_flight: deque[tuple[list[Work], Callable[[], list[tuple[str, torch.Tensor]]]]] = deque()
 
-    # A function, not the loop body, so no local variable keeps a finished bucket's buffer alive.
-    def start(chunk: list[TensorMeta]) -> tuple[list[Work], Callable[[], list[tuple[str, torch.Tensor]]]]:
-        if packed:
-            flat = torch.empty(sum(m.nbytes for m in chunk), dtype=torch.uint8, device=device)
-            # Unpacking waits for the data: a misaligned view is a copy, which must not be taken early.
-            return [broadcast(flat)], lambda: unpack_tensors(flat, chunk)
-        named = [(m.name, torch.empty(m.shape, dtype=m.dtype, device=device)) for m in chunk]
-        return [broadcast(as_bytes(t)) for _, t in named], lambda: named
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
-    error: Exception | None = None
+    def _receive_and_unpack_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+        if device.type != "cuda":
+            return None
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
+        return self._streams[device]
 
-    def finish_oldest() -> None:
-        nonlocal error
-        works, collect = in_flight.popleft()
-        for work in works:
-            work.wait()
-        if error is None:
-            try:
-                load_weights(collect())
-            except Exception as e:
-                # Keep receiving (and dropping) the rest: the trainer is mid-broadcast and would otherwise hang, and
-                # the group stays in step for the next update.
-                error = e
+    def receive(
+        self,
+        metas: Sequence[TensorMeta],
+        broadcast: BroadcastFn,
+        load_weights: LoadWeightsFn,
+        buffer_size_bytes: int,
+        num_buffers: int,
+        device: torch.device,
+        packed: bool,
+    ) -> None:
+        """Receive the tensors described by `metas`. If `load_weights` raises, the remaining buckets are still
+        received (and dropped) before the error is re-raised; a receive that fails (the trainer is gone) raises at
+        once.
 
-    for bucket in plan_buckets([m.nbytes for m in metas], buffer_size_bytes):
-        in_flight.append(start([metas[i] for i in bucket]))
-        if len(in_flight) == num_buffers:
-            finish_oldest()
-    while in_flight:
-        finish_oldest()
-    if error is not None:
-        raise error
+        `packed=True` mirrors `PackedSender.send` (one broadcast per bucket). `packed=False` mirrors a sender that
+        broadcasts tensor by tensor: each tensor lands at its place in the bucket's buffer, and the buckets only
+        batch the `load_weights` calls and bound the memory held. Either way a bucket is unpacked into views.
+        """
+        _check_params(buffer_size_bytes, num_buffers)
+        buckets = [[metas[i] for i in b] for b in plan_buckets([m.nbytes for m in metas], buffer_size_bytes)]
+        if not buckets:
+            return
+        sizes = [sum(m.nbytes for m in bucket) for bucket in buckets]
+        buffers = slot_buffers(sizes, num_buffers, device)
+        slots = len(buffers)
+        streams = self._receive_and_unpack_streams(device)
+        receive_stream, unpack_stream = streams or (None, None)
+        caller = torch.cuda.current_stream(device) if streams else None
+        if streams:
+            receive_stream.wait_stream(caller)
+            unpack_stream.wait_stream(caller)
+        unpacked: list[torch.cuda.Event | None] = [None] * slots  # a buffer's previous bucket is loaded
+        in_flight: deque[tuple[int, list[Work]]] = deque()
+        error: Exception | None = None
+
+        def start(index: int) -> None:
+            slot = index % slots
+            view = buffers[slot][: sizes[index]]
+            with torch.cuda.stream(receive_stream):  # None (CPU): no stream, the host order is the order
+                event = unpacked[slot]
+                if event is not None:
+                    receive_stream.wait_event(event)
+                if packed:
+                    works = [broadcast(view)]
+                else:
+                    works = [broadcast(part) for part in view.split([m.nbytes for m in buckets[index]])]
+            in_flight.append((index, works))
+
+        def finish_oldest() -> None:
+            nonlocal error
+            index, works = in_flight.popleft()
+            slot = index % slots
+            with torch.cuda.stream(unpack_stream):
+                for work in works:
+                    work.wait()  # NCCL: the unpack stream waits for the receive; gloo: the host does
+                if error is None:
+                    try:
+                        load_weights(unpack_tensors(buffers[slot], buckets[index]))
+                    except Exception as e:
+                        # Keep receiving (and dropping) the rest: the trainer is mid-broadcast and would otherwise
+                        # hang, and the group stays in step for the next update.
+                        error = e
+                if unpack_stream is not None:
+                    event = unpacked[slot] = torch.cuda.Event()
+                    event.record(unpack_stream)
+
+        try:
+            for index in range(len(buckets)):
+                if len(in_flight) == slots:
+                    finish_oldest()  # frees the buffer the next receive goes into
+                start(index)
+            while in_flight:
+                finish_oldest()
+        finally:
+            if streams:
+                caller.wait_stream(unpack_stream)  # the caller sees the loaded weights; the buffers die after it
+        if error is not None:
+            raise error

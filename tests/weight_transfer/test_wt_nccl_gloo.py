@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from rlserve.weight_transfer import (
 
 TIMEOUT_S = 60.0
 BUFFER_BYTES = 2000  # the model below then packs into several buckets, one of them an oversized tensor alone
+SMALL_BUFFER_BYTES = 257  # an odd budget: dozens of buckets, most of them closing at unaligned sizes
 
 # What the trainer sends and the engine does, in order. "reinit": both sides build a new group on the same port.
 SCRIPT: list[dict[str, Any]] = [
@@ -39,6 +41,19 @@ SCRIPT: list[dict[str, Any]] = [
     {"seed": 6, "packed": True, "num_buffers": 2, "engine": "receive"},
     {"reinit": True},
     {"seed": 7, "packed": True, "num_buffers": 3, "engine": "receive"},
+    # Many buckets through 1..4 alternating buffers, the engine's load slowed down so the trainer's next buckets
+    # land while one is being loaded: a receive into a buffer still to be loaded would change the weights.
+    *(
+        {
+            "seed": 8 + i,
+            "packed": packed,
+            "num_buffers": n,
+            "engine": "receive",
+            "buffer": SMALL_BUFFER_BYTES,
+            "slow_load": True,
+        }  # fmt: skip
+        for i, (packed, n) in enumerate([(True, 1), (True, 2), (True, 3), (False, 2), (True, 4)])
+    ),
 ]
 
 
@@ -55,6 +70,10 @@ class TinyModel(nn.Module):
         self.head = nn.Parameter(torch.randn(37, 24, generator=gen).to(torch.bfloat16))
         self.scale = nn.Parameter(torch.randn((), generator=gen))
         self.gate = nn.Parameter(torch.randn(5, 3, generator=gen).to(torch.float16))
+        dtypes = (torch.bfloat16, torch.float32, torch.float16)
+        self.extra = nn.ParameterList(
+            torch.randn(3 + 11 * i, generator=gen).to(dtypes[i % 3]) for i in range(24)
+        )  # fmt: skip
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -78,7 +97,7 @@ def _trainer(port: int, out_dir: str) -> None:
         args = NCCLTrainerSendWeightsArgs(
             group=group,
             packed=action["packed"],
-            packed_buffer_size_bytes=BUFFER_BYTES,
+            packed_buffer_size_bytes=action.get("buffer", BUFFER_BYTES),
             packed_num_buffers=action["num_buffers"],
             post_iter_func=lambda item: item[1].detach(),
         )
@@ -99,7 +118,7 @@ def _update_info(model: nn.Module, action: dict[str, Any]) -> dict[str, Any]:
         "dtype_names": [dtype_name(p.dtype) for _, p in params],
         "shapes": [list(p.shape) for _, p in params],
         "packed": action["packed"],
-        "packed_buffer_size_bytes": BUFFER_BYTES,
+        "packed_buffer_size_bytes": action.get("buffer", BUFFER_BYTES),
         "packed_num_buffers": action["num_buffers"],
     }
 
@@ -116,6 +135,8 @@ def test_model_packs_into_several_buckets() -> None:
     buckets = plan_buckets(sizes, BUFFER_BYTES)
     assert len(buckets) >= 3 and any(len(b) == 1 and sizes[b[0]] > BUFFER_BYTES for b in buckets)
     assert any(len(b) > 1 for b in buckets)
+    small = plan_buckets(sizes, SMALL_BUFFER_BYTES)
+    assert len(small) >= 15 and any(sum(sizes[i] for i in b) % 4 for b in small)
 
 
 def test_two_process_transfer_over_gloo(tmp_path: Path) -> None:
@@ -137,15 +158,20 @@ def test_two_process_transfer_over_gloo(tmp_path: Path) -> None:
             if action["engine"] == "receive":
                 calls: list[int] = []
 
-                def load_weights(weights: list[tuple[str, torch.Tensor]], calls: list[int] = calls) -> None:
+                slow = "slow_load" in action
+
+                def load_weights(
+                    weights: list[tuple[str, torch.Tensor]], calls: list[int] = calls, slow: bool = slow
+                ) -> None:
                     calls.append(len(weights))
+                    if slow:
+                        time.sleep(0.002)  # the next buckets arrive meanwhile
                     target.load_weights(weights)
 
                 engine.receive_weights(update_info, load_weights)
                 last_received = action["seed"]
-                if action["packed"]:  # one load call per bucket
-                    sizes = [p.nbytes for p in target.parameters()]
-                    assert calls == [len(b) for b in plan_buckets(sizes, BUFFER_BYTES)], what
+                sizes = [p.nbytes for p in target.parameters()]  # one load call per bucket
+                assert calls == [len(b) for b in plan_buckets(sizes, action.get("buffer", BUFFER_BYTES))], what
             else:
                 engine.discard_weights(update_info)
             # After a discard the target still holds the last received weights, byte for byte.

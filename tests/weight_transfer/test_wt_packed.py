@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from rlserve.weight_transfer.packed import (
+    PackedReceiver,
     PackedSender,
     TensorMeta,
     pack_tensors,
     plan_buckets,
-    receive_buckets,
     unpack_tensors,
 )
 
@@ -98,28 +98,46 @@ def test_unpack_refuses_short_buffer() -> None:
         unpack_tensors(torch.zeros(3, dtype=torch.uint8), [TensorMeta("x", torch.float32, (1,))])
 
 
-class _DoneWork:
+class _LoopbackWork:
+    """Like an NCCL Work on CUDA: `wait` makes the current stream wait for the stream the operation ran on."""
+
+    def __init__(self, link: _Loopback, tensor: torch.Tensor) -> None:
+        self.link = link
+        self.event = None
+        if tensor.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
     def wait(self) -> bool:
+        self.link.outstanding -= 1
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
         return True
 
 
 class _Loopback:
-    """Stands in for a broadcast: the producer's buffers are queued by value, the consumer's receive dequeues them."""
+    """Stands in for a broadcast: the producer's buffers are queued by value, the consumer's receive dequeues them
+    at once (the data lands when the receive is issued, so a receive into a buffer still to be loaded overwrites it).
+    On CUDA the receive first sleeps on its stream, so a load not ordered after it would read the old bytes."""
 
     def __init__(self) -> None:
         self.queue: deque[torch.Tensor] = deque()
         self.sent = 0
         self.received = 0
+        self.outstanding = 0  # receives issued and not yet waited for
 
-    def send(self, tensor: torch.Tensor) -> _DoneWork:
+    def send(self, tensor: torch.Tensor) -> _LoopbackWork:
         self.queue.append(tensor.clone())
         self.sent += 1
-        return _DoneWork()
+        return _LoopbackWork(self, tensor)
 
-    def receive(self, tensor: torch.Tensor) -> _DoneWork:
+    def receive(self, tensor: torch.Tensor) -> _LoopbackWork:
+        if tensor.is_cuda:
+            torch.cuda._sleep(1_000_000)
         tensor.copy_(self.queue.popleft())
         self.received += 1
-        return _DoneWork()
+        self.outstanding += 1
+        return _LoopbackWork(self, tensor)
 
 
 class _PeakTracker:
@@ -159,9 +177,11 @@ def test_pipelined_send_receive(num_buffers: int, packed: bool, device: str, mon
     link = _Loopback()
     loaded: list[tuple[str, torch.Tensor]] = []
     calls: list[int] = []
+    in_flight_at_load: list[int] = []
 
     def load_weights(batch: list[tuple[str, torch.Tensor]]) -> None:
         calls.append(len(batch))
+        in_flight_at_load.append(link.outstanding)
         loaded.extend((name, t.clone()) for name, t in batch)  # copies out, as the contract says
 
     with monkeypatch.context() as patch:
@@ -171,18 +191,23 @@ def test_pipelined_send_receive(num_buffers: int, packed: bool, device: str, mon
         else:
             for t in tensors:  # the unpacked sender: one broadcast per tensor
                 link.send(_raw(t))
+        link.outstanding = 0
     with monkeypatch.context() as patch:
         receive_buffers = _PeakTracker(patch, "empty")
-        receive_buckets(metas, link.receive, load_weights, budget, num_buffers, torch.device(device), packed=packed)
+        PackedReceiver().receive(metas, link.receive, load_weights, budget, num_buffers, torch.device(device), packed)
     assert not link.queue
     assert link.sent == link.received == (len(buckets) if packed else len(tensors))
     assert [name for name, _ in loaded] == [m.name for m in metas]
     for (name, got), want in zip(loaded, tensors, strict=True):
         assert got.device.type == device and _bitwise_equal(got, want), name
     assert calls == [len(b) for b in buckets]
-    if packed:  # at most num_buffers packed buckets alive on each side
+    # Each bucket is loaded while the next num_buffers - 1 are being received (none with one buffer).
+    tail = [min(num_buffers - 1, len(buckets) - 1 - i) for i in range(len(buckets))]
+    sends = [1 if packed else len(b) for b in buckets]
+    assert in_flight_at_load == [sum(sends[i + 1 : i + 1 + n]) for i, n in enumerate(tail)]
+    assert receive_buffers.peak == min(num_buffers, len(buckets))  # the receiver's buffers, allocated once
+    if packed:  # at most num_buffers packed buckets alive on the sender
         assert 0 < packs.peak <= num_buffers
-        assert receive_buffers.peak == min(num_buffers, len(buckets))
 
 
 def test_send_packed_warns_about_oversized_tensor(caplog: pytest.LogCaptureFixture) -> None:
@@ -199,7 +224,7 @@ def test_send_packed_warns_about_oversized_tensor(caplog: pytest.LogCaptureFixtu
 def test_empty_update_sends_nothing() -> None:
     link = _Loopback()
     PackedSender().send(iter([]), link.send, 64, 2)
-    receive_buckets([], link.receive, lambda _: pytest.fail("nothing to load"), 64, 2, torch.device("cpu"), True)
+    PackedReceiver().receive([], link.receive, lambda _: pytest.fail("nothing"), 64, 2, torch.device("cpu"), True)
     assert link.sent == link.received == 0
 
 
@@ -221,5 +246,5 @@ def test_receive_drains_the_update_when_load_fails(packed: bool) -> None:
         raise RuntimeError("loader bug")
 
     with pytest.raises(RuntimeError, match="loader bug"):
-        receive_buckets(metas, link.receive, failing_load, 300, 2, torch.device("cpu"), packed=packed)
+        PackedReceiver().receive(metas, link.receive, failing_load, 300, 2, torch.device("cpu"), packed)
     assert calls == 1 and not link.queue  # every byte the trainer sent was taken off the wire
