@@ -316,4 +316,3 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> FlagParser:
     )
     add_serve_arguments(serve)
     return serve
-
