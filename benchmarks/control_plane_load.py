@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from rlserve.engine.dp_lockstep import free_port
+
 API_KEY = "load-key"
 MODEL_NAME = "toy"
 MODES = ("keep", "wait", "abort")
@@ -141,14 +143,6 @@ def _trainer_worker(port: int, checkpoint: str, send: int) -> None:
 # ---- the controller (this process) ----
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tree_rss_mib(pid: int) -> float:
     """Resident memory of a process and its descendants, from /proc (Linux)."""
     children: dict[int, list[int]] = {}
@@ -176,7 +170,7 @@ class Trainer:
     """One trainer process for one update."""
 
     def __init__(self, checkpoint: Path, send: int) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         cmd = [sys.executable, __file__, "--trainer-worker", str(self.port), str(checkpoint), str(send)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -253,7 +247,7 @@ async def _control(args: argparse.Namespace, url: str, checkpoint: Path, update_
 
 
 def _start_server(args: argparse.Namespace, model_dir: Path, workdir: Path) -> tuple[subprocess.Popen, str, Path]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--device", args.device, "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--enable-rl-api"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"}), "--weight-update-snapshot"]

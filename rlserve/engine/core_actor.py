@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -33,6 +32,7 @@ from rlserve.engine.core_proc import (
     run_engine_core,
     startup_error,
 )
+from rlserve.engine.dp_lockstep import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class EngineCoreActor:
         node_id = ray.get_runtime_context().get_node_id()
         if node_id != front_end_node_id:
             host = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
-            startup = replace(startup, address=f"tcp://{_join_host(host)}:{_free_port(host)}")
+            startup = replace(startup, address=f"tcp://{_join_host(host)}:{free_port(host)}")
         self.startup = startup
         self._ready = _ReadyQueue()
         self._stop = threading.Event()
@@ -116,13 +116,6 @@ class EngineCoreActor:
 
 def _join_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RayCore:

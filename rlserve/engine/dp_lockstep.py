@@ -37,7 +37,8 @@ _NOTICE_KEY = "rlserve/dp/notices/{}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A TCP port free on `host` (an IPv4 or IPv6 address) now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 
 from rlserve import LLM, RequestOutput, SamplingParams
 from rlserve.config import WeightTransferConfig
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.model.layers import ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from rlserve.model.parallel import TensorParallelGroup
 from rlserve.weight_transfer import (
@@ -127,12 +127,6 @@ def test_each_rank_holds_its_heads_and_vocabulary() -> None:
         QKVParallelLinear(hidden, head_dim, 4, 2, bias=False, tp=TensorParallelGroup(0, 3))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _update_info(weights: dict[str, torch.Tensor]) -> dict:
     return dict(
         names=list(weights),
@@ -146,7 +140,7 @@ def _update_info(weights: dict[str, torch.Tensor]) -> dict:
 def _nccl_update(llm: LLM, weights: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> None:
     """A trainer (rank 0, a thread here) sends `sent` to both engine ranks (1 and 2) while the engine is told to
     expect `weights`; joins first, as trainers do once per run."""
-    port = _free_port()
+    port = free_port()
     info = dict(master_address="127.0.0.1", master_port=port, world_size=1 + llm.get_world_size(), rank_offset=1)
     with ThreadPoolExecutor(1) as pool:
         group = pool.submit(NCCLWeightTransferEngine.trainer_init, {**info, "timeout_s": TIMEOUT_S})
