@@ -339,10 +339,13 @@ def _trainer_sparse(conn: Connection, weights: dict[str, torch.Tensor], cmd: dic
 
     send(list(weights.items()), max(t.nbytes for t in weights.values()))  # the engine starts from v0
     times, changed, patch_bytes = [], 0, 0
+    phases: dict[str, list[float]] = {"diff": [], "send and apply": [], "commit": []}
     for i in range(cmd["updates"]):
         _sync(device)
         t0 = time.perf_counter()
         patches = delta.patches(versions[(i + 1) % 2].items())
+        _sync(device)
+        t1 = time.perf_counter()
         items = [
             (f"{p.name}.{part}", t)
             for p in patches
@@ -353,12 +356,18 @@ def _trainer_sparse(conn: Connection, weights: dict[str, torch.Tensor], cmd: dic
             raise RuntimeError("the Adam step changed no bf16 value: nothing to send")
         patch_bytes = sum(t.nbytes for _, t in items)
         send(items, patch_bytes)  # one chunk: the engine pairs indices with values within it
+        t2 = time.perf_counter()
         delta.commit(patches)
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            phases[phase].append(seconds)
         changed = sum(p.indices.numel() for p in patches)
     digest = {name: tensor_sha256(t) for name, t in versions[cmd["updates"] % 2].items()}
-    _send(conn, {"done": True, "times": times, "changed": changed, "patch_bytes": patch_bytes, "digest": digest})
+    medians = {phase: statistics.median(seconds[1:]) for phase, seconds in phases.items()}
+    done = {"done": True, "times": times, "phases": medians, "changed": changed, "patch_bytes": patch_bytes}
+    _send(conn, done | {"digest": digest})
 
 
 # --- engine side (this process) -------------------------------------------------------------------------------------
@@ -596,6 +605,7 @@ def _engine_sparse(
         sparse_changed=done["changed"],
         sparse_changed_fraction=done["changed"] / numel,
         sparse_bytes=done["patch_bytes"],
+        sparse_phases_s=done["phases"],
         full_bytes=nbytes,
     )
     seconds = statistics.median(done["times"][1:])
@@ -631,6 +641,8 @@ def print_table(rows: list[Row], info: dict[str, Any]) -> None:
             f"({info['sparse_changed_fraction']:.2%}); a sparse update carries {info['sparse_bytes'] / MIB:.1f} MiB "
             f"against {info['full_bytes'] / MIB:.1f} MiB full (its row: buffer = patch MiB, GB/s = model bytes / s)"
         )
+        phases = ", ".join(f"{phase} {s * 1e3:.2f} ms" for phase, s in info["sparse_phases_s"].items())
+        print(f"sparse, median per phase on the trainer: {phases}")
     else:
         print(
             f"ceiling: raw broadcast of the model's size {info['raw_broadcast_s'] * 1e3:.3f} ms "

@@ -19,8 +19,10 @@ bit for bit; `SparseNCCLTrainerWeightTransferEngine.send_weights(patches)` sends
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, ClassVar
 
 import torch
@@ -52,6 +54,24 @@ from rlserve.weight_transfer.trainer import (
 
 INDEX_DTYPE = torch.int32  # vLLM's wire type: patchable tensors hold fewer than 2**31 elements
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(_BITS[tensor.element_size()])
+
+
+def _ranges(starts: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
+    """Each start repeated count times (int64), built on `device` without waiting for it."""
+    total = sum(counts)
+    return torch.repeat_interleave(
+        torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True),
+        torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True),
+        output_size=total,
+    )
+
+
+def _key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.element_size()
 
 
 @dataclass
@@ -193,14 +213,8 @@ class SparseNCCLWeightTransferEngine(
                     f"weight {patch.name!r}: sparse values are {patch.values.dtype}, the model serves "
                     f"{target.dtype}: diff the weights in the served dtype"
                 )
-            if patch.indices.numel():
-                low, high = int(patch.indices.min()), int(patch.indices.max())
-                if low < 0 or high >= target.numel():
-                    raise WeightUpdateRefused(
-                        f"weight {patch.name!r}: sparse index {low if low < 0 else high} is out of bounds for its "
-                        f"{target.numel()} elements"
-                    )
             writes.append((target, patch))
+        _check_bounds([(target.numel(), patch) for target, patch in writes if patch.indices.numel()])
         return writes
 
     def shutdown(self) -> None:
@@ -209,42 +223,117 @@ class SparseNCCLWeightTransferEngine(
         self._group = None
 
 
+def _check_bounds(patches: list[tuple[int, SparseWeightPatch]]) -> None:
+    """Every index of every (target numel, patch) in [0, numel), with one wait for the device however many patches."""
+    if not patches:
+        return
+    counts = [patch.indices.numel() for _, patch in patches]
+    indices = torch.cat([patch.indices for _, patch in patches]).long()
+    limits = _ranges([numel for numel, _ in patches], counts, indices.device)
+    bad = ((indices < 0) | (indices >= limits)).nonzero().view(-1)
+    if bad.numel():
+        at = int(bad[0])
+        numel, patch = patches[bisect_right(list(accumulate(counts)), at)]
+        raise WeightUpdateRefused(
+            f"weight {patch.name!r}: sparse index {int(indices[at])} is out of bounds for its {numel} elements"
+        )
+
+
 # --- Trainer side -----------------------------------------------------------------------------------------------------
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(_BITS[tensor.element_size()])
 
 
 class SparseDelta:
     """The version the engine holds, kept on the trainer (a copy of every tensor, in the dtype it is served in), and
     the patches that bring it to the next version: the elements whose bits differ (so -0.0 vs 0.0 and NaNs count as
-    they are stored). `commit` once the engine has applied them."""
+    they are stored). `commit` once the engine has applied them.
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.previous = {name: tensor.detach().clone() for name, tensor in weights}
+    Why one flat buffer per (device, element size) and diffs over chunks of it: per tensor, a diff is a compare, a
+    nonzero (which waits for the GPU) and a gather, so a model of a few hundred tensors spent its time in launches and
+    waits, not in the bytes (70 ms for 310 tensors on an H200 where the compare itself takes under 1 ms). A chunk of
+    consecutive tensors (`chunk_bytes`, which also bounds the extra memory) is diffed with a handful of kernels and
+    two waits, and a commit is one scatter per buffer."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, chunk_bytes: int = 256 << 20) -> None:
+        groups: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in weights:
+            groups.setdefault((tensor.device, tensor.element_size()), []).append((name, tensor.detach()))
+        self.chunk_bytes = chunk_bytes
+        self.previous: dict[str, torch.Tensor] = {}
+        self._flat: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._offset: dict[str, int] = {}
+        for key, members in groups.items():
+            flat = torch.empty(sum(t.numel() for _, t in members), dtype=_BITS[key[1]], device=key[0])
+            offset = 0
+            for name, tensor in members:
+                view = flat[offset : offset + tensor.numel()]
+                view.copy_(_bits(tensor))
+                self.previous[name] = view.view(tensor.dtype).view(tensor.shape)
+                self._offset[name] = offset
+                offset += tensor.numel()
+            self._flat[key] = flat
 
     def patches(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[SparseWeightPatch]:
-        patches = []
-        for name, tensor in weights:
+        items = [(name, tensor.detach()) for name, tensor in weights]
+        for name, tensor in items:
             previous = self.previous.get(name)
             if previous is None:
                 raise ValueError(f"SparseDelta: {name!r} is not in the version it holds")
-            if previous.shape != tensor.shape or previous.dtype != tensor.dtype:
+            if previous.shape != tensor.shape or previous.dtype != tensor.dtype or previous.device != tensor.device:
                 raise ValueError(
-                    f"SparseDelta: {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the version it holds "
-                    f"{tuple(previous.shape)} {previous.dtype}"
+                    f"SparseDelta: {name!r} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, the version "
+                    f"it holds {tuple(previous.shape)} {previous.dtype} on {previous.device}"
                 )
             if tensor.numel() >= 2**31:
                 raise ValueError(f"SparseDelta: {name!r} has {tensor.numel()} elements, more than int32 indices reach")
-            flat = tensor.detach().reshape(-1)
-            indices = (_bits(flat) != _bits(previous)).nonzero().view(-1)
-            patches.append(SparseWeightPatch(name, indices.to(INDEX_DTYPE), flat[indices], tuple(tensor.shape)))
+        found: dict[str, SparseWeightPatch] = {}
+        for chunk in self._chunks(items):
+            found.update(self._diff(chunk))
+        return [found[name] for name, _ in items]
+
+    def _chunks(self, items: list[tuple[str, torch.Tensor]]) -> Iterable[list[tuple[str, torch.Tensor]]]:
+        """Consecutive tensors of one flat buffer, up to `chunk_bytes` each (a larger tensor alone)."""
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in items:
+            if chunk and (_key(chunk[0][1]) != _key(tensor) or size + tensor.nbytes > self.chunk_bytes):
+                yield chunk
+                chunk, size = [], 0
+            chunk.append((name, tensor))
+            size += tensor.nbytes
+        if chunk:
+            yield chunk
+
+    def _diff(self, chunk: list[tuple[str, torch.Tensor]]) -> dict[str, SparseWeightPatch]:
+        flat = self._flat[_key(chunk[0][1])]
+        bounds = list(accumulate((t.numel() for _, t in chunk), initial=0))
+        starts = bounds[:-1]
+        first = self._offset[chunk[0][0]]
+        if all(self._offset[name] == first + start for (name, _), start in zip(chunk, starts, strict=True)):
+            previous = flat[first : first + bounds[-1]]  # the usual case: the order they were first given in
+        else:
+            previous = torch.cat([flat[self._offset[n] : self._offset[n] + t.numel()] for n, t in chunk])
+        current = torch.cat([_bits(t) for _, t in chunk]) if len(chunk) > 1 else _bits(chunk[0][1])
+        changed = (current != previous).nonzero().view(-1)
+        counts = torch.searchsorted(changed, torch.tensor(bounds, device=changed.device))
+        counts = counts.diff().tolist()
+        indices = (changed - _ranges(starts, counts, changed.device)).to(INDEX_DTYPE)
+        values = current[changed]
+        patches = {}
+        for (name, tensor), index, value in zip(chunk, indices.split(counts), values.split(counts), strict=True):
+            patches[name] = SparseWeightPatch(name, index, value.view(tensor.dtype), tuple(tensor.shape))
         return patches
 
     def commit(self, patches: Iterable[SparseWeightPatch]) -> None:
+        groups: dict[tuple[torch.device, int], list[SparseWeightPatch]] = {}
         for patch in patches:
-            self.previous[patch.name].view(-1)[patch.indices.long()] = patch.values
+            if patch.indices.numel():
+                groups.setdefault(_key(self.previous[patch.name]), []).append(patch)
+        for key, members in groups.items():
+            counts = [p.indices.numel() for p in members]
+            flat = self._flat[key]
+            where = torch.cat([p.indices for p in members]).long()
+            where += _ranges([self._offset[p.name] for p in members], counts, flat.device)
+            flat.index_copy_(0, where, torch.cat([_bits(p.values) for p in members]))
 
 
 @dataclass

@@ -177,6 +177,38 @@ def test_sparse_delta_counts_bits_and_commits() -> None:
         delta.patches([("w", new.float())])
 
 
+@pytest.mark.parametrize("order", ["as-given", "reversed-subset"])
+def test_sparse_delta_chunks_match_a_per_tensor_diff(order: str) -> None:
+    """Mixed dtypes (two element sizes share a buffer), chunks smaller than some tensors, and tensors asked for out
+    of the order they were first given in: the same patches as diffing each tensor alone, and a commit that makes the
+    next diff empty."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {
+        "a": ((3, 5), torch.bfloat16),
+        "b": ((7,), torch.float32),
+        "c": ((4, 4), torch.float16),
+        "d": ((9,), torch.bfloat16),
+    }
+    old = {n: torch.randn(shape, generator=gen).to(dtype) for n, (shape, dtype) in shapes.items()}
+    new = {n: torch.where(torch.rand(t.shape, generator=gen) < 0.3, t + 1, t) for n, t in old.items()}
+    delta = SparseDelta(old.items(), chunk_bytes=24)
+    names = list(new) if order == "as-given" else ["d", "a", "b"]
+    patches = delta.patches((n, new[n]) for n in names)
+    assert [p.name for p in patches] == names
+    for patch in patches:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[old[patch.name].element_size()]
+        expected = (new[patch.name].view(bits) != old[patch.name].view(bits)).flatten().nonzero().view(-1)
+        assert patch.indices.dtype == torch.int32 and patch.indices.tolist() == expected.tolist()
+        assert torch.equal(patch.values, new[patch.name].flatten()[expected])
+    assert sum(p.indices.numel() for p in patches) > 0
+    delta.commit(patches)
+    for name in names:
+        assert torch.equal(delta.previous[name], new[name])
+    assert all(p.indices.numel() == 0 for p in delta.patches((n, new[n]) for n in names))
+    if "c" not in names:
+        assert torch.equal(delta.previous["c"], old["c"])  # not asked for, not touched
+
+
 # --- a trainer of 0.33 classes updates an LLM (gloo) ------------------------------------------------------------------
 
 
