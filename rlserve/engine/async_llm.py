@@ -349,9 +349,9 @@ class AsyncLLM(EngineFrontEnd):
 
     # ---- sleep / wake ----
 
-    async def sleep(self, level: int = 1, mode: str = "keep") -> None:
-        """Free device memory for a colocated trainer (see EngineCore.sleep); requests wait until wake_up.
-        mode (vLLM's): "keep" freezes the requests in flight, "abort" ends them first."""
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free device memory for a colocated trainer (see EngineCore.sleep); new requests wait until wake_up.
+        mode (vLLM's, and its default): "abort" ends the requests in flight first, "keep" freezes them."""
         await self._call("sleep", level, mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:

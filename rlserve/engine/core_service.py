@@ -349,7 +349,7 @@ class EngineCoreService:
             weights = unpack_tensors(weights)
         return self.core.load_weights_direct(weights, reset_prefix_cache)
 
-    def sleep(self, client: ClientId, call: UtilityCall, level: int, mode: str = "keep") -> None:
+    def sleep(self, client: ClientId, call: UtilityCall, level: int, mode: str = "abort") -> None:
         """vLLM's sleep modes: "abort" ends the requests in flight first (their streams end before sleep returns);
         "keep" freezes them, and they recompute their KV after wake_up."""
         if mode not in SLEEP_MODES:

@@ -308,10 +308,11 @@ class LLM(EngineFrontEnd):
 
     # ---- sleep / wake, vLLM's names ----
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free device memory for a colocated trainer: level 1 moves the weights to host memory and drops the KV
-        cache, level 2 drops both (update every weight after waking), level 0 only stops scheduling."""
-        self.client.call("sleep", level)
+        cache, level 2 drops both (update every weight after waking), level 0 only stops scheduling. mode is vLLM's
+        (AsyncLLM.sleep); `generate` returns only when its requests are done, so none is in flight here."""
+        self.client.call("sleep", level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back "weights", "kv_cache" and "scheduling" (default: all); whether the engine is awake (as soon as

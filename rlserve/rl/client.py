@@ -117,8 +117,8 @@ class _Routes:
     reset_prefix_cache = _Call("POST", "/reset_prefix_cache", idempotent=True)
 
     @staticmethod
-    def sleep(level: int) -> _Call:
-        return _Call("POST", "/sleep", params={"level": level})
+    def sleep(level: int, mode: str) -> _Call:
+        return _Call("POST", "/sleep", params={"level": level, "mode": mode})
 
     @staticmethod
     def wake_up(tags: list[str] | None) -> _Call:
@@ -224,9 +224,10 @@ class RLServeClient:
     def reset_prefix_cache(self) -> None:
         self._send(_Routes.reset_prefix_cache)
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the engine's device memory (level 1: weights to host memory, KV dropped; 2: both dropped)."""
-        self._send(_Routes.sleep(level))
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free the engine's device memory (level 1: weights to host memory, KV dropped; 2: both dropped); mode
+        "abort" (vLLM's default) ends the requests in flight first, "keep" freezes them until wake_up."""
+        self._send(_Routes.sleep(level, mode))
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back "weights", "kv_cache", "scheduling" (default: all)."""
@@ -311,8 +312,8 @@ class AsyncRLServeClient:
     async def abort_requests(self, request_ids: list[str] | None = None) -> int:
         return await self._send(_Routes.abort_requests(request_ids))
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._send(_Routes.sleep(level))
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await self._send(_Routes.sleep(level, mode))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._send(_Routes.wake_up(tags))

@@ -151,7 +151,7 @@ def test_streams_survive_a_keep_pause_with_sleep(moe_dir, make_llm, generate) ->
         while len(progress) < len(prompts):
             await asyncio.sleep(0.01)
         await asyncio.wait_for(engine.pause_generation(mode="keep"), CALL_TIMEOUT_S)
-        await asyncio.wait_for(engine.sleep(level=1), CALL_TIMEOUT_S)
+        await asyncio.wait_for(engine.sleep(level=1, mode="keep"), CALL_TIMEOUT_S)
         assert await asyncio.wait_for(engine.wake_up(), CALL_TIMEOUT_S)
         await asyncio.wait_for(engine.resume_generation(), CALL_TIMEOUT_S)
         return await asyncio.wait_for(asyncio.gather(*tasks), CALL_TIMEOUT_S)

@@ -66,6 +66,8 @@ def test_bad_sleep_arguments_are_refused(qwen3_dir, make_llm) -> None:
     llm = make_llm(qwen3_dir)
     with pytest.raises(ValueError, match="level"):
         llm.sleep(level=3)
+    with pytest.raises(ValueError, match="mode"):
+        llm.sleep(level=1, mode="nap")
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(tags=["weights", "everything"])
     assert not llm.is_sleeping()
@@ -97,7 +99,7 @@ def test_requests_in_flight_sleep_and_finish_after_wake_up(tmp_path) -> None:
             tasks = [asyncio.create_task(_final_token_ids(engine, prompt, params)) for prompt in PROMPTS]
             if sleep_midway:
                 await _until_generated(engine, 20)
-                await engine.sleep(level=1)
+                await engine.sleep(level=1, mode="keep")
                 produced = (await engine.stats())["num_generated_tokens"]
                 await engine.resume_generation()  # asleep: recorded, not applied
                 await asyncio.sleep(0.05)
