@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from w7_clients import send_all
 
 from rlserve import LLM, SamplingParams
 from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwargs
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0
@@ -82,12 +82,6 @@ def run_offline(model_dir: str, args: argparse.Namespace, prompt_sets: list[list
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rates
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(

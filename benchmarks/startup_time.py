@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,13 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from rlserve.engine.dp_lockstep import free_port
+
 API_KEY_ENV = "RLSERVE_API_KEY"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(preset: str, dtype_name: str) -> str:

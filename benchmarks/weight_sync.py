@@ -37,7 +37,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ import torch
 
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_name
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.weight_transfer import (
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
@@ -390,12 +390,6 @@ class Row:
     engine_mem_first_last_mib: tuple[float, float] | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _update_info(weights: dict[str, torch.Tensor], cmd: dict[str, Any]) -> dict[str, Any]:
     return {
         "names": list(weights),
@@ -463,7 +457,7 @@ def run(
         # One multi-tensor copy, as the engine's loader (LlamaForCausalLM.load_weights) does.
         torch._foreach_copy_([target[name] for name, _ in weights], [tensor for _, tensor in weights])
 
-    port = _free_port()
+    port = free_port()
     spec = {"backend": backend, "model": model, "trainer_device": str(trainer_device), "port": port, "threads": threads}
     ctx = multiprocessing.get_context("spawn")
     engine_end, trainer_end = ctx.Pipe()

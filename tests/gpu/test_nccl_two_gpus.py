@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
 from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
@@ -27,12 +27,6 @@ pytestmark = [
 TIMEOUT_S = 120.0
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 33, 90)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _info(weights: dict[str, torch.Tensor], packed: bool) -> dict:
@@ -73,7 +67,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _with_trainer(new_dir: Path, rounds: list[bool], engine_side) -> None:
-    port = _free_port()
+    port = free_port()
     trainer = multiprocessing.get_context("spawn").Process(target=_trainer, args=(port, str(new_dir), rounds))
     trainer.start()
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,16 +13,12 @@ from typing import Any
 
 import httpx
 
+from rlserve.engine.dp_lockstep import free_port
+
 API_KEY = "test-key"
 MODEL_NAME = "toy"
 HTTP_TIMEOUT_S = 60.0
 BLOCK_SIZE = 16  # the engine's default block size: prefix-cache hits come in multiples of it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

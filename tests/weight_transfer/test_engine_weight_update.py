@@ -4,7 +4,6 @@ engine loaded from the new weights, exactly (fp32)."""
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from safetensors.torch import load_file, save_file
 # The import is the only change from vLLM's example code.
 from rlserve import LLM, SamplingParams
 from rlserve.config import WeightTransferConfig
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import (
     NCCLTrainerSendWeightsArgs,
@@ -28,12 +28,6 @@ from rlserve.weight_transfer import (
 TIMEOUT_S = 60.0
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]}, "hello world"]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -83,7 +77,7 @@ def _update_info(weights: dict[str, torch.Tensor], **extra) -> dict:
 
 
 def _run_with_trainer(new_dir: Path, rounds: list[dict], engine_side, world_size: int = 2) -> None:
-    port = _free_port()
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     trainer = ctx.Process(target=_trainer, args=(port, str(new_dir), rounds, world_size))
     trainer.start()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_name
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.weight_transfer import (
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
@@ -105,12 +105,6 @@ def _trainer(port: int, out_dir: str) -> None:
     group.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _update_info(model: nn.Module, action: dict[str, Any]) -> dict[str, Any]:
     params = list(model.named_parameters())
     return {
@@ -140,7 +134,7 @@ def test_model_packs_into_several_buckets() -> None:
 
 
 def test_two_process_transfer_over_gloo(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     trainer = multiprocessing.get_context("spawn").Process(target=_trainer, args=(port, str(tmp_path)), daemon=True)
     trainer.start()
     engine = NCCLWeightTransferEngine(WeightTransferConfig("nccl"), torch.device("cpu"), timeout_s=TIMEOUT_S)
@@ -190,6 +184,6 @@ def test_two_process_transfer_over_gloo(tmp_path: Path) -> None:
 
 def test_rendezvous_times_out_without_trainer() -> None:
     engine = NCCLWeightTransferEngine(WeightTransferConfig("nccl"), torch.device("cpu"), timeout_s=1.0)
-    info = engine.parse_init_info({"master_address": "127.0.0.1", "master_port": _free_port(), "world_size": 2})
+    info = engine.parse_init_info({"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2})
     with pytest.raises(RuntimeError, match="rendezvous"):
         engine.init_transfer_engine(info)
