@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 from process_tree import survivors
-from weight_transfer.test_engine_weight_update import _checkpoint, _free_port, _update_info
+from weight_transfer.test_engine_weight_update import _checkpoint, _update_info
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
 from rlserve.engine.args import make_engine_config
 from rlserve.engine.async_llm import start_shared_cores
 from rlserve.engine.core_actor import RayLauncher
 from rlserve.engine.core_client import EngineDeadError, MPClient
+from rlserve.engine.dp_lockstep import free_port
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
 ray = pytest.importorskip("ray")
@@ -74,7 +75,7 @@ class Trainer:
     def join(self, world_size: int, engines_join: Callable[[dict], Any], wait: Callable[[Any], Any]) -> None:
         """Join while the engines join theirs (`engines_join(init_info)`, awaited by `wait`): each side blocks
         until the other is in."""
-        init_info = {"master_address": "127.0.0.1", "master_port": _free_port(), "rank_offset": 1}
+        init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1}
         pending = engines_join({**init_info, "world_size": world_size})
         self.group = NCCLWeightTransferEngine.trainer_init(
             {**init_info, "world_size": world_size, "timeout_s": TIMEOUT_S}
