@@ -173,10 +173,10 @@ class EngineFrontEnd:
     def check_lora_request(self, lora_request: LoRARequest | None) -> None:
         if lora_request is None:
             return
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
         if not self.config.enable_lora:
             raise ValueError("lora_request: not supported without enable_lora (start the engine with enable_lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
 
     def loras_to_add(self, lora_requests: Iterable[LoRARequest | None]) -> list[LoRARequest]:
         """The adapters of a generate call to load (add_lora) before its requests are queued, so that a bad one is a

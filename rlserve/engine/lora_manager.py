@@ -40,12 +40,12 @@ class LoRAManager:
         current = self._check_names(request)
         if current is not None and not request.load_inplace:
             return current
+        adapter = load_peft_adapter(request.lora_path, self.max_lora_rank)
         if current is None and len(self.loaded) >= self.max_loras:
             raise ValueError(
                 f"max_loras: {self.max_loras} adapters are loaded already (ids {sorted(self.loaded)}); remove one "
                 f"(remove_lora) before loading {request.lora_name!r}, or start the engine with a larger max_loras"
             )
-        adapter = load_peft_adapter(request.lora_path, self.max_lora_rank)
         slot = current.slot if current is not None else min(set(range(self.max_loras)) - self._used_slots())
         self.slots.load_lora(slot, adapter)
         loaded = self.loaded[request.lora_int_id] = LoadedLoRA(request, slot, next(self._versions))
