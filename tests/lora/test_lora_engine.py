@@ -96,7 +96,7 @@ def assert_bit_equal(outputs, expected) -> None:
         ]
 
 
-def run(llm: LLM, prompts, generate, lora_request=None, max_tokens: int = 8, cold: bool = False):
+def run(llm: LLM, prompts, lora_request=None, max_tokens: int = 8, cold: bool = False):
     """cold: with the prefix cache emptied first, so that a run computes what an earlier one did, bit for bit."""
     if cold:
         llm.reset_prefix_cache()
@@ -107,10 +107,10 @@ def run(llm: LLM, prompts, generate, lora_request=None, max_tokens: int = 8, col
     return outputs
 
 
-def test_adapter_equals_merged_checkpoint(lora_llm, adapters, reference, hf, generate) -> None:
+def test_adapter_equals_merged_checkpoint(lora_llm, adapters, reference, hf) -> None:
     a1, a2 = lora(adapters, "a1", 1), lora(adapters, "a2", 2)
     for request, name in ((a1, "a1"), (a2, "a2")):
-        outputs = [o.outputs[0] for o in run(lora_llm, PROMPTS, generate, request)]
+        outputs = [o.outputs[0] for o in run(lora_llm, PROMPTS, request)]
         assert_close(outputs, reference(name, PROMPTS))
         tokenizer = lora_llm.get_tokenizer()
         merged = adapters[f"{name}-merged"]
@@ -134,58 +134,58 @@ def test_llama_adapter_against_transformers(model_dirs, adapters, make_llm, hf) 
         llm.shutdown()
 
 
-def test_mixed_batch_equals_each_alone(lora_llm, base_llm, adapters, generate) -> None:
+def test_mixed_batch_equals_each_alone(lora_llm, base_llm, adapters) -> None:
     a1, a2 = lora(adapters, "a1", 1), lora(adapters, "a2", 2)
     loras = [None, a1, a2, None, a1]
     prompts = [*PROMPTS, PROMPTS[0]]
-    mixed = [o.outputs[0] for o in run(lora_llm, prompts, generate, loras)]
+    mixed = [o.outputs[0] for o in run(lora_llm, prompts, loras)]
     # The base requests get the base model's bits: an engine without adapters running the same batch (same shapes,
     # so the same matmul blocking) gives them exactly.
-    plain = [o.outputs[0] for o in run(base_llm, prompts, generate)]
+    plain = [o.outputs[0] for o in run(base_llm, prompts)]
     for prompt, request, out, base in zip(prompts, loras, mixed, plain, strict=True):
-        alone = run(lora_llm, [prompt], generate, request)[0].outputs[0]
+        alone = run(lora_llm, [prompt], request)[0].outputs[0]
         assert_close([out], [alone])
         if request is None:
             assert_bit_equal([out], [base])
     assert mixed[0].token_ids != mixed[4].token_ids  # the adapter changes the outputs
 
 
-def test_prefix_cache_never_crosses_adapters_or_versions(lora_llm, adapters, reference, generate) -> None:
+def test_prefix_cache_never_crosses_adapters_or_versions(lora_llm, adapters, reference) -> None:
     a1 = lora(adapters, "a1", 1)
     lora_llm.reset_prefix_cache()
-    run(lora_llm, [LONG_PROMPT], generate)
-    (again,) = run(lora_llm, [LONG_PROMPT], generate)
+    run(lora_llm, [LONG_PROMPT])
+    (again,) = run(lora_llm, [LONG_PROMPT])
     assert again.num_cached_tokens > 0  # the cache is on and serves the base model its own blocks
-    (first,) = run(lora_llm, [LONG_PROMPT], generate, a1)
+    (first,) = run(lora_llm, [LONG_PROMPT], a1)
     assert first.num_cached_tokens == 0
     assert_close([first.outputs[0]], reference("a1", [LONG_PROMPT]))
-    (second,) = run(lora_llm, [LONG_PROMPT], generate, a1)
+    (second,) = run(lora_llm, [LONG_PROMPT], a1)
     assert second.num_cached_tokens > 0
     assert_close([second.outputs[0]], [first.outputs[0]])
 
     # The trainer re-saved the adapter: reloaded in place under the same name and id, a new version.
     assert lora_llm.add_lora(LoRARequest("a1", 1, str(adapters["a1-new"]), load_inplace=True))
-    (reloaded,) = run(lora_llm, [LONG_PROMPT], generate, a1)
+    (reloaded,) = run(lora_llm, [LONG_PROMPT], a1)
     assert reloaded.num_cached_tokens == 0
     assert_close([reloaded.outputs[0]], reference("a1-new", [LONG_PROMPT]))
     assert reloaded.outputs[0].token_ids != first.outputs[0].token_ids
     # The base model never got the adapters' blocks either.
-    (base_after,) = run(lora_llm, [LONG_PROMPT], generate)
+    (base_after,) = run(lora_llm, [LONG_PROMPT])
     assert_bit_equal([base_after.outputs[0]], [again.outputs[0]])
     # A generate whose request asks for an in-place reload reloads once, before its requests run.
-    outputs = run(lora_llm, [LONG_PROMPT, PROMPTS[0]], generate, lora(adapters, "a1", 1, load_inplace=True))
+    outputs = run(lora_llm, [LONG_PROMPT, PROMPTS[0]], lora(adapters, "a1", 1, load_inplace=True))
     assert_close([o.outputs[0] for o in outputs], reference("a1", [LONG_PROMPT, PROMPTS[0]]))
     assert outputs[0].num_cached_tokens == 0
 
 
-def test_remove_then_generate_reloads_from_path(lora_llm, adapters, reference, generate) -> None:
+def test_remove_then_generate_reloads_from_path(lora_llm, adapters, reference) -> None:
     a2 = lora(adapters, "a2", 2)
-    run(lora_llm, [PROMPTS[0]], generate, a2)
+    run(lora_llm, [PROMPTS[0]], a2)
     assert 2 in lora_llm.list_loras()
     assert lora_llm.remove_lora(2) is True
     assert 2 not in lora_llm.list_loras()
     assert lora_llm.remove_lora(2) is False  # not loaded
-    outputs = run(lora_llm, PROMPTS[:2], generate, a2)
+    outputs = run(lora_llm, PROMPTS[:2], a2)
     assert 2 in lora_llm.list_loras()
     assert_close([o.outputs[0] for o in outputs], reference("a2", PROMPTS[:2]))
     assert lora_llm.add_lora(a2) is True  # loaded already: a no-op
@@ -233,9 +233,9 @@ BAD_ADAPTERS = {
 }
 
 
-def test_refusals_change_nothing(lora_llm, base_llm, adapters, tmp_path, generate) -> None:
+def test_refusals_change_nothing(lora_llm, base_llm, adapters, tmp_path) -> None:
     a1 = lora(adapters, "a1", 1)
-    before = [o.outputs[0] for o in run(lora_llm, PROMPTS[:2], generate, a1, cold=True)]
+    before = [o.outputs[0] for o in run(lora_llm, PROMPTS[:2], a1, cold=True)]
     loaded = lora_llm.list_loras()
     for case, message in BAD_ADAPTERS.items():
         bad = write_bad_adapter(tmp_path, adapters, case)
@@ -262,7 +262,7 @@ def test_refusals_change_nothing(lora_llm, base_llm, adapters, tmp_path, generat
     with pytest.raises(ValueError, match="^lora_request: not supported without enable_lora"):
         base_llm.add_lora(a1)
     assert lora_llm.list_loras() == loaded
-    assert_bit_equal([o.outputs[0] for o in run(lora_llm, PROMPTS[:2], generate, a1, cold=True)], before)
+    assert_bit_equal([o.outputs[0] for o in run(lora_llm, PROMPTS[:2], a1, cold=True)], before)
 
 
 def test_remove_while_in_use_is_refused(qwen3_dir, adapters, make_llm) -> None:
@@ -282,15 +282,15 @@ def test_remove_while_in_use_is_refused(qwen3_dir, adapters, make_llm) -> None:
         llm.shutdown()
 
 
-def test_adapters_survive_sleep_and_are_not_weights(lora_llm, base_llm, adapters, generate) -> None:
+def test_adapters_survive_sleep_and_are_not_weights(lora_llm, base_llm, adapters) -> None:
     a1 = lora(adapters, "a1", 1)
-    before = [o.outputs[0] for o in run(lora_llm, PROMPTS[:2], generate, a1, cold=True)]
+    before = [o.outputs[0] for o in run(lora_llm, PROMPTS[:2], a1, cold=True)]
     # Adapter tensors are no checkpoint weights: the checksums are the base model's.
     assert lora_llm.weight_checksums() == base_llm.weight_checksums()
     lora_llm.sleep(level=1)
     assert lora_llm.wake_up()
     assert 1 in lora_llm.list_loras()
-    assert_bit_equal([o.outputs[0] for o in run(lora_llm, PROMPTS[:2], generate, a1, cold=True)], before)
+    assert_bit_equal([o.outputs[0] for o in run(lora_llm, PROMPTS[:2], a1, cold=True)], before)
 
 
 def test_config_refusals(model_names_as_dirs, tmp_path) -> None:
@@ -348,3 +348,15 @@ def test_async_llm_with_the_core_in_its_own_process(qwen3_dir, adapters, referen
         asyncio.run(go())
     finally:
         engine.shutdown()
+
+
+def test_batch_invariant_mode_keeps_adapter_requests_invariant(qwen3_dir, adapters, make_llm) -> None:
+    llm = make_llm(qwen3_dir, in_process=True, enable_lora=True, max_loras=2, max_lora_rank=RANK, batch_invariant=True)
+    try:
+        a1, a2 = lora(adapters, "a1", 1), lora(adapters, "a2", 2)
+        mixed = run(llm, PROMPTS, [a1, None, a2, a1], cold=True)
+        for prompt, request, out in zip(PROMPTS, [a1, None, a2, a1], mixed, strict=True):
+            (alone,) = run(llm, [prompt], request, cold=True)
+            assert_bit_equal([out.outputs[0]], [alone.outputs[0]])
+    finally:
+        llm.shutdown()
