@@ -302,6 +302,7 @@ class LLM(EngineFrontEnd):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: one conversation (a list of messages) or a list of them, rendered by the tokenizer's chat template
         (or `chat_template`) and generated as `generate` does; one output per conversation."""
@@ -320,7 +321,7 @@ class LLM(EngineFrontEnd):
             # The template already placed any special tokens (BOS, role markers): none are added a second time.
             token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run_to_completion(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)

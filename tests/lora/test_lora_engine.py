@@ -189,6 +189,10 @@ def test_remove_then_generate_reloads_from_path(lora_llm, adapters, reference) -
     assert 2 in lora_llm.list_loras()
     assert_close([o.outputs[0] for o in outputs], reference("a2", PROMPTS[:2]))
     assert lora_llm.add_lora(a2) is True  # loaded already: a no-op
+    messages = [{"role": "user", "content": "hi"}]
+    (chat,) = lora_llm.chat(messages, greedy(), use_tqdm=False, lora_request=a2)
+    text = lora_llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert_close([chat.outputs[0]], reference("a2", [text]))
 
 
 def write_bad_adapter(root: Path, adapters: dict[str, Path], case: str) -> Path:
