@@ -17,6 +17,7 @@ _EXPORTS = {
     "CompletionOutput": "rlserve.outputs",
     "EngineConfig": "rlserve.config",
     "Logprob": "rlserve.outputs",
+    "LoRARequest": "rlserve.lora.request",
     "RequestOutput": "rlserve.outputs",
     "RequestOutputKind": "rlserve.sampling_params",
     "RetryableRequestError": "rlserve.engine.core_client",

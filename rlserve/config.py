@@ -150,6 +150,13 @@ class EngineConfig:
         "seconds the weight-transfer rendezvous (init_weight_transfer_engine) and each receive of an update may wait "
         "for the trainer; a trainer silent or gone for longer has its update abandoned",
     )
+    enable_lora: bool = _option(
+        False,
+        "serve LoRA adapters (vLLM's option): requests name one (lora_request), add_lora/remove_lora load and unload "
+        "them; a dense decoder on one GPU (not with tensor_parallel_size, data_parallel_size > 1 or expert parallel)",
+    )
+    max_loras: int = _option(1, "adapters loaded at once (vLLM's option): each projection holds this many slots")
+    max_lora_rank: int = _option(16, "largest adapter rank served (vLLM's option): the slots' rank")
     weight_update_snapshot: bool = _option(
         False,
         "keep a host copy of the weights at each start_weight_update (host memory: one model's worth), so that an "
@@ -204,6 +211,15 @@ class EngineConfig:
             raise ValueError(
                 "data_parallel_lockstep: needs data_parallel_size > 1 (one engine core has no peer to step with)"
             )
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            name = "max_loras" if self.max_loras < 1 else "max_lora_rank"
+            raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.enable_lora:
+            if self.enable_expert_parallel:
+                raise ValueError("enable_lora: not with enable_expert_parallel (adapters need a dense decoder)")
+            for name in ("tensor_parallel_size", "data_parallel_size"):
+                if getattr(self, name) > 1:
+                    raise ValueError(f"enable_lora: not with {name} > 1 yet (adapters live on one rank)")
         if self.data_parallel_sync_interval < 1:
             raise ValueError(f"data_parallel_sync_interval must be >= 1, got {self.data_parallel_sync_interval}")
         if not self.data_parallel_lockstep:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from rlserve.lora.peft import SUPPORTED_TARGET_MODULES, load_peft_adapter
+from rlserve.model.loader import iterate_checkpoint
 from rlserve.model.models import SUPPORTED_ARCHITECTURES
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -181,4 +187,65 @@ def make_model_dir(
     model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if fields["vocab_size"] >= len(tokenizer):
         tokenizer.save_pretrained(path)
+    return path
+
+
+def make_lora_dir(
+    path: str | Path,
+    model_dir: str | Path,
+    rank: int = 8,
+    alpha: float = 16.0,
+    target_modules: tuple[str, ...] = SUPPORTED_TARGET_MODULES,
+    seed: int = 0,
+    std: float = 0.1,
+    **config: Any,
+) -> Path:
+    """A PEFT LoRA adapter for the checkpoint in `model_dir` with random A and B (B nonzero, unlike a fresh PEFT
+    adapter, so that it changes the outputs); `config` adds or overrides adapter_config.json fields."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, weight in iterate_checkpoint(str(model_dir)):
+        parts = name.split(".")
+        if parts[-1] != "weight" or parts[-2] not in target_modules:
+            continue
+        module = "base_model.model." + ".".join(parts[:-1])
+        out_features, in_features = weight.shape
+        tensors[f"{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
+        tensors[f"{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    fields = dict(
+        peft_type="LORA",
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        bias="none",
+        use_rslora=False,
+        use_dora=False,
+        modules_to_save=None,
+        fan_in_fan_out=False,
+    )
+    fields.update(config)
+    (path / "adapter_config.json").write_text(json.dumps(fields))
+    return path
+
+
+def merge_lora(path: str | Path, model_dir: str | Path, lora_dir: str | Path) -> Path:
+    """A copy of the checkpoint in `model_dir` with the adapter merged in (W + scaling * B @ A, in fp32): what the
+    engine with the adapter must compute."""
+    path, model_dir = Path(path), Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    adapter = load_peft_adapter(str(lora_dir), max_lora_rank=1 << 20)
+    merged = {}
+    for name, weight in iterate_checkpoint(str(model_dir)):
+        pair = adapter.weights.get(name.removesuffix(".weight"))
+        if pair is not None:
+            a, b = pair
+            weight = (weight.float() + adapter.scaling * (b.float() @ a.float())).to(weight.dtype)
+        merged[name] = weight.contiguous()
+    save_file(merged, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for file in model_dir.iterdir():
+        if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(file, path / file.name)
     return path

@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     "sampling_params": 0,
     "outputs": 0,
     "weight_transfer": 1,
+    "lora": 1,  # the adapter request and format, which the model's layers and the engine both read
     "model": 2,
     "toy": 3,  # builds models of the architectures `model` supports
     "engine": 3,

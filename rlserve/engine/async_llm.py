@@ -31,6 +31,7 @@ from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
+from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -218,13 +219,16 @@ class AsyncLLM(EngineFrontEnd):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
+        lora_request: LoRARequest | None = None,
         session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas).
-        A prompt from `validate_prompt` is queued as it is, with the params it was checked with. `session_id` (the
-        server's `X-Session-ID`): requests of one session go to the same data-parallel rank, whose prefix cache
-        holds the earlier turns."""
-        request_id, stream = self._add(prompt, sampling_params, request_id, session_id)
+        A prompt from `validate_prompt` is queued as it is, with the params (and adapter) it was checked with.
+        `lora_request`: the adapter it runs with (loaded first if it is not). `session_id` (the server's
+        `X-Session-ID`): requests of one session go to the same data-parallel rank, whose prefix cache holds the
+        earlier turns."""
+        prompt = await self._validate_with_lora(prompt, sampling_params, lora_request)
+        request_id, stream = self._add(prompt, request_id, session_id)
         try:
             while True:
                 out = await stream.get()
@@ -254,7 +258,6 @@ class AsyncLLM(EngineFrontEnd):
         `abort(request_id)`. What rlserve does not offer is refused by name."""
         unsupported = {
             "arrival_time": (arrival_time, None, "the engine stamps arrival itself"),
-            "lora_request": (lora_request, None, "LoRA adapters are not supported yet"),
             "tokenization_kwargs": (tokenization_kwargs, None, "prompts are tokenized as the tokenizer's defaults"),
             "trace_headers": (trace_headers, None, "tracing is not supported"),
             "priority": (priority, 0, "the scheduler is first come, first served"),
@@ -263,24 +266,33 @@ class AsyncLLM(EngineFrontEnd):
         for name, (value, default, why) in unsupported.items():
             if value != default:
                 raise ValueError(f"{name}: not supported ({why}), got {value!r}")
-        request_id, stream = self._add(prompt, params, request_id, session_id)
+        prompt = await self._validate_with_lora(prompt, params, lora_request)
+        request_id, stream = self._add(prompt, request_id, session_id)
         return RequestOutputCollector(request_id, stream, self._release)
 
-    def _add(
+    async def _validate_with_lora(
         self,
         prompt: PromptType | ValidatedPrompt,
-        sampling_params: SamplingParams | None,
-        request_id: str | None,
-        session_id: str | None,
-    ) -> tuple[str, _Stream]:
-        """Validate and queue one request; its outputs go to the returned stream until `_release`."""
+        params: SamplingParams | None,
+        lora_request: LoRARequest | None,
+    ) -> ValidatedPrompt:
+        """The prompt validated with its adapter, which is loaded first where `loras_to_add` says so."""
         self._bind_loop()
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}")
         if not isinstance(prompt, ValidatedPrompt):
-            prompt = self.validate_prompt(prompt, sampling_params or SamplingParams())
-        elif sampling_params is not None and sampling_params is not prompt.params:
-            raise ValueError("sampling_params: a validated prompt carries the params it was checked with")
+            prompt = self.validate_prompt(prompt, params or SamplingParams(), lora_request)
+        else:
+            if params is not None and params is not prompt.params:
+                raise ValueError("sampling_params: a validated prompt carries the params it was checked with")
+            if lora_request is not None and lora_request != prompt.lora_request:
+                raise ValueError("lora_request: a validated prompt carries the adapter it was checked with")
+        for lora in self.loras_to_add([prompt.lora_request]):
+            await self.add_lora(lora)
+        return prompt
+
+    def _add(self, prompt: ValidatedPrompt, request_id: str | None, session_id: str | None) -> tuple[str, _Stream]:
+        """Queue one request; its outputs go to the returned stream until `_release`."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -288,7 +300,8 @@ class AsyncLLM(EngineFrontEnd):
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
         try:
-            request = AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt)
+            params = [p for _, p in children]
+            request = AddRequest.of(child_ids, prompt.token_ids, params, prompt.cache_salt, prompt.lora_request)
             self.client.add([request], session_id)
         except BaseException:
             self._release(request_id, stream)
@@ -346,6 +359,22 @@ class AsyncLLM(EngineFrontEnd):
 
     async def is_paused(self) -> bool:
         return await self._call("is_paused")
+
+    # ---- LoRA adapters (see LLM.add_lora) ----
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        self.check_lora_request(lora_request)
+        added = await self._call("add_lora", lora_request)
+        self._loaded_loras[lora_request.lora_int_id] = lora_request.lora_name
+        return added
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        removed = await self._call("remove_lora", lora_id)
+        self._loaded_loras.pop(lora_id, None)
+        return removed
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._call("list_loras"))
 
     # ---- sleep / wake ----
 

@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
+from rlserve.engine.lora_manager import LoRAManager
 from rlserve.engine.messages import ENGINE_RPC_METHODS, EngineCoreOutput, resolve_pause_mode
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
@@ -25,6 +26,7 @@ from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import LaunchedStep
 from rlserve.engine.worker.tp_workers import create_runner
+from rlserve.lora.request import LoRARequest
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams
 from rlserve.weight_transfer.base import TRAINER_LOST, WeightUpdateRefused
@@ -77,6 +79,7 @@ class EngineCore:
             self.kv_cache,
         )
         self.requests: dict[str, Request] = {}
+        self.lora = LoRAManager(self.runner, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.eos_token_ids = frozenset(_eos_token_ids(self.runner.hf_config, config.model))
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weight_transfer = None  # created by init_weight_transfer_engine
@@ -106,13 +109,20 @@ class EngineCore:
     # ---- requests ----
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`."""
+        """Queue one sample (n == 1; the front end splits n > 1 into several requests) that passed `validate`. An
+        adapter not loaded is loaded first (from its lora_path)."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if params.bad_words and params.bad_words_token_ids is None:
             raise ValueError("bad_words: not tokenized; requests reach the core through a front end's validate_prompt")
+        lora = None if lora_request is None else self._lora_manager("lora_request").get(lora_request)
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -126,10 +136,36 @@ class EngineCore:
             self.config.stream_interval,
             cache_salt=cache_salt,
         )
+        if lora is not None:
+            request.lora, request.lora_slot = (lora.request.lora_int_id, lora.version), lora.slot
         request.queued_ts = time.monotonic()
         self.requests[request_id] = request
         self.runner.add_request(request)
         self.scheduler.add_request(request)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----
+
+    def _lora_manager(self, field: str) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError(f"{field}: not supported without enable_lora (start the engine with enable_lora)")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest | dict) -> bool:
+        """Load an adapter (a no-op if loaded under the same id, unless `load_inplace`, which reloads it)."""
+        request = LoRARequest.of(lora_request)
+        manager = self._lora_manager("lora_request")
+        self._drain()  # an in-place reload writes slots that the step in flight may read
+        manager.add(request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter (False if not loaded); refused while requests use it."""
+        manager = self._lora_manager("lora_id")
+        users = sum(1 for r in self.requests.values() if r.lora is not None and r.lora[0] == lora_id)
+        return manager.remove(lora_id, users)
+
+    def list_loras(self) -> set[int]:
+        return self._lora_manager("list_loras").ids()
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         outputs = []

@@ -218,10 +218,10 @@ class EngineCoreService:
         for request_id, params in zip(message.request_ids, message.params, strict=True):
             self.owners[request_id] = client
             try:
-                self.core.add_request(request_id, prompt, params, message.cache_salt)
-            except ValueError:  # the front end validated it; a duplicate id or a race with sleep ends it here
+                self.core.add_request(request_id, prompt, params, message.cache_salt, message.lora_request)
+            except ValueError as e:  # the front end validated it; a duplicate id, an adapter that fails to load
                 logger.exception("refused request %s", request_id)
-                self._route(self._refused([request_id]))
+                self._route(self._refused([request_id], str(e)))
 
     def _refused(
         self, request_ids: list[str], error: str | None = None, retryable: bool = False
@@ -441,6 +441,9 @@ _UTILITY_METHODS: dict[str, Callable] = {
             "load_weights_from_dir",
             "shutdown_weight_transfer_engine",
             "abandon_weight_update",
+            "add_lora",
+            "remove_lora",
+            "list_loras",
         )
     },
     "pause": EngineCoreService.pause,

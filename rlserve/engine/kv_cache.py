@@ -61,8 +61,12 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             # The salt is the first block's parent: requests with different salts share no block (every later hash
-            # chains from the first).
-            parent = hashes[-1] if hashes else request.cache_salt
+            # chains from the first). So is the adapter with its version: KV computed under an adapter serves
+            # neither the base model, nor another adapter, nor the same one reloaded.
+            if hashes:
+                parent = hashes[-1]
+            else:
+                parent = request.cache_salt if request.lora is None else (request.cache_salt, request.lora)
             hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
         return hashes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from rlserve.engine.core_client import (
 from rlserve.engine.limits import EngineLimits
 from rlserve.engine.messages import AddRequest
 from rlserve.engine.output_processor import OutputProcessor
+from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -124,6 +125,7 @@ class ValidatedPrompt:
     token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineFrontEnd:
@@ -149,19 +151,39 @@ class EngineFrontEnd:
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.limits = EngineLimits(engine_info["max_model_len"], engine_info["vocab_size"], engine_info["max_logprobs"])
         self._extension_methods = set(engine_info["worker_extension_methods"])
+        self._loaded_loras: dict[int, str] = {}  # adapters this front end loaded: lora_int_id -> lora_name
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence, prompt and output, the engine serves."""
         return self.limits.max_model_len
 
-    def validate_prompt(self, prompt: PromptType, params: SamplingParams) -> ValidatedPrompt:
-        """Tokenize `prompt` and check it with `params` against the engine's limits (length, vocabulary, logprobs):
-        the one check of a request before it is queued. A ValueError names the offending field."""
+    def validate_prompt(
+        self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> ValidatedPrompt:
+        """Tokenize `prompt` and check it with `params` (and the adapter it runs with) against the engine's limits
+        (length, vocabulary, logprobs): the one check of a request before it is queued. A ValueError names the
+        offending field."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         params = tokenize_bad_words(self.tokenizer, params)
         self.limits.check(token_ids, params)
-        return ValidatedPrompt(text, token_ids, params, prompt_cache_salt(prompt))
+        self.check_lora_request(lora_request)
+        return ValidatedPrompt(text, token_ids, params, prompt_cache_salt(prompt), lora_request)
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not self.config.enable_lora:
+            raise ValueError("lora_request: not supported without enable_lora (start the engine with enable_lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+
+    def loras_to_add(self, lora_requests: Iterable[LoRARequest | None]) -> list[LoRARequest]:
+        """The adapters of a generate call to load (add_lora) before its requests are queued, so that a bad one is a
+        ValueError of the call, not a refusal of each request: those this front end has not loaded, and those
+        that ask for an in-place reload (once per call). The core loads any other it lacks itself."""
+        wanted = {r: None for r in lora_requests if r is not None}
+        return [r for r in wanted if r.load_inplace or self._loaded_loras.get(r.lora_int_id) != r.lora_name]
 
     @property
     def engine_core(self) -> EngineCore:
@@ -217,7 +239,9 @@ class LLM(EngineFrontEnd):
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: the adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -227,10 +251,17 @@ class LLM(EngineFrontEnd):
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
-        validated = [self.validate_prompt(p, params) for p, params in zip(prompts, params_list, strict=True)]
+        validated = [
+            self.validate_prompt(p, params, lora) for p, params, lora in zip(prompts, params_list, loras, strict=True)
+        ]
         if self.client.call("is_sleeping"):
             raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+        for lora in self.loras_to_add(loras):
+            self.add_lora(lora)
         order: dict[str, int] = {}
         try:
             requests = []
@@ -240,7 +271,15 @@ class LLM(EngineFrontEnd):
                 params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
                 children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
                 child_ids = [c for c, _ in children]
-                requests.append(AddRequest.of(child_ids, prompt.token_ids, [p for _, p in children], prompt.cache_salt))
+                requests.append(
+                    AddRequest.of(
+                        child_ids,
+                        prompt.token_ids,
+                        [p for _, p in children],
+                        prompt.cache_salt,
+                        prompt.lora_request,
+                    )
+                )
             self.client.add(requests)
             return self._run_to_completion(order, use_tqdm)
         except BaseException:
@@ -263,6 +302,7 @@ class LLM(EngineFrontEnd):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: one conversation (a list of messages) or a list of them, rendered by the tokenizer's chat template
         (or `chat_template`) and generated as `generate` does; one output per conversation."""
@@ -281,7 +321,7 @@ class LLM(EngineFrontEnd):
             # The template already placed any special tokens (BOS, role markers): none are added a second time.
             token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run_to_completion(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
@@ -305,6 +345,25 @@ class LLM(EngineFrontEnd):
                     bar.update(1)
                 bar.set_postfix(tokens=num_tokens, refresh=False)
         return results
+
+    # ---- LoRA adapters, vLLM's names ----
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter; a no-op if loaded under the same id, unless `load_inplace` (then reloaded from its
+        path). More than max_loras at once is refused (ValueError naming max_loras)."""
+        self.check_lora_request(lora_request)
+        added = self.client.call("add_lora", lora_request)
+        self._loaded_loras[lora_request.lora_int_id] = lora_request.lora_name
+        return added
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False if it is not loaded. Refused while requests use it."""
+        removed = self.client.call("remove_lora", lora_id)
+        self._loaded_loras.pop(lora_id, None)
+        return removed
+
+    def list_loras(self) -> set[int]:
+        return set(self.client.call("list_loras"))
 
     # ---- sleep / wake, vLLM's names ----
 

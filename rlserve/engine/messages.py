@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlserve.lora.request import LoRARequest
 from rlserve.outputs import PositionLogprobsData, npy_bytes
 from rlserve.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class AddRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: bytes  # int32
     params: list[SamplingParams]
     cache_salt: str | None = None  # the prompt's prefix-cache namespace (vLLM's)
+    lora_request: LoRARequest | None = None  # the adapter the samples run with
 
     @classmethod
     def of(
@@ -77,8 +79,9 @@ class AddRequest(msgspec.Struct, array_like=True):
         prompt_token_ids: list[int],
         params: list[SamplingParams],
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AddRequest:
-        return cls(request_ids, encode_token_ids(prompt_token_ids), params, cache_salt)
+        return cls(request_ids, encode_token_ids(prompt_token_ids), params, cache_salt, lora_request)
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):

@@ -37,6 +37,10 @@ class Request:
     generator: torch.Generator | None = None
     stream_interval: int = 1
     cache_salt: str | None = None  # prefix-cache namespace: salted into the hash of the first block
+    # Its adapter: (lora_int_id, the version of the adapter's weights: each load is one), salted into the first
+    # block's hash too; and the slot the adapter sits in (-1: the base model).
+    lora: tuple[int, int] | None = None
+    lora_slot: int = -1
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt and output tokens; the KV cache holds the first num_computed_tokens of them.
     all_token_ids: list[int] = field(default_factory=list)

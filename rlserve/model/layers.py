@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.model import batch_invariant
+from rlserve.model.lora import LoRASlots
 from rlserve.model.parallel import TensorParallelGroup
 
 # Triton is an optional dependency (the `gpu` extra); without it CUDA runs the PyTorch code below too.
@@ -129,14 +130,20 @@ def norm_and_rotate_qk(
 
 class Linear(nn.Linear):
     """nn.Linear that switches to the batch-invariant matmul (rlserve.model.batch_invariant) when its model is put in
-    batch-invariant mode (DecoderForCausalLM.set_batch_invariant)."""
+    batch-invariant mode (DecoderForCausalLM.set_batch_invariant), and adds each token's LoRA delta when its model
+    holds adapters (DecoderForCausalLM.enable_lora) and the forward has a `lora_mask`."""
 
     batch_invariant = False
+    lora: LoRASlots | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant:
-            return batch_invariant.linear(x, self.weight, self.bias)
-        return super().forward(x)
+            y = batch_invariant.linear(x, self.weight, self.bias)
+        else:
+            y = super().forward(x)
+        if lora_mask is not None and self.lora is not None:
+            y = self.lora.apply(x, y, lora_mask, self.batch_invariant)
+        return y
 
 
 @dataclass(frozen=True)
@@ -273,9 +280,10 @@ class RowParallelLinear(ShardedWeights, Linear):
         cols = self.in_features
         return ShardSlice((self.out_features, cols * self.tp.size), 1, rank * cols, cols, 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
+            return super().forward(x, lora_mask)
+        # No adapters under tensor parallelism (EngineConfig refuses enable_lora with it).
         bias = self.bias if self.tp.rank == 0 else None
         if self.batch_invariant:
             y = batch_invariant.linear(x, self.weight, bias)

@@ -50,13 +50,9 @@ class Unsupported:
 
 
 _ONE_GPU = "rlserve runs one engine on one device"
-_LORA = "LoRA adapters are not supported yet"
 _NOT_YET = "parallelism is not supported yet"
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--pipeline-parallel-size", "-pp"), f"{_ONE_GPU}: pipeline {_NOT_YET}", True, "1"),
-    Unsupported(("--enable-lora",), _LORA),
-    Unsupported(("--max-lora-rank",), _LORA, True),
-    Unsupported(("--max-loras",), _LORA, True),
     Unsupported(("--reasoning-parser",), "reasoning parsing is not supported yet", True),
 )
 

@@ -12,6 +12,7 @@ import bisect
 import torch
 
 from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
+from rlserve.model.lora import lora_mask
 from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
 
 
@@ -31,8 +32,11 @@ class DecodeCUDAGraphs:
         max_seq_len: int,
         device: torch.device,
         routed_experts: torch.Tensor | None = None,
+        num_lora_slots: int = 0,
     ) -> None:
-        """routed_experts: the buffer a MoE model records its routing in (ForwardContext.routed_experts), if any."""
+        """routed_experts: the buffer a MoE model records its routing in (ForwardContext.routed_experts), if any.
+        num_lora_slots: the model's adapter slots (enable_lora), if any: each token's slot is then an input too,
+        and the graphs compute its mask (a token of slot -1, padding included, adds nothing)."""
         self.sizes = graph_batch_sizes(max_batch_size)
         self.max_batch_size = max_batch_size
         n = max_batch_size
@@ -42,6 +46,8 @@ class DecodeCUDAGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.lora_mapping = torch.full((n,), -1, dtype=torch.long, device=device) if num_lora_slots else None
+        dtype = model.lm_head.weight.dtype
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph's default capture stream is created once per process, on whichever device was current
@@ -58,10 +64,16 @@ class DecodeCUDAGraphs:
                     max_seq_len=max_seq_len,
                 )
                 ctx = ForwardContext(meta, kv_caches, backend, routed_experts)
-                model(self.input_ids[:bs], self.positions[:bs], ctx)  # compile kernels outside the capture
+
+                def forward(bs: int = bs, ctx: ForwardContext = ctx) -> torch.Tensor:
+                    if self.lora_mapping is not None:  # computed inside the graph from the slot input
+                        ctx.lora_mask = lora_mask(self.lora_mapping[:bs], num_lora_slots, dtype)
+                    return model(self.input_ids[:bs], self.positions[:bs], ctx)
+
+                forward()  # compile kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                    hidden = model(self.input_ids[:bs], self.positions[:bs], ctx)
+                    hidden = forward()
                 self.graphs[bs] = (graph, hidden)
         torch.cuda.synchronize(device)
 
@@ -72,6 +84,7 @@ class DecodeCUDAGraphs:
         slot_mapping: torch.Tensor,
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
+        lora_mapping: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = input_ids.shape[0]
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -80,6 +93,12 @@ class DecodeCUDAGraphs:
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if self.lora_mapping is not None:
+            if lora_mapping is None:
+                self.lora_mapping[:bs].fill_(-1)
+            else:
+                self.lora_mapping[:n].copy_(lora_mapping, non_blocking=True)
+                self.lora_mapping[n:bs].fill_(-1)
         if bs > n:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(0)

@@ -21,8 +21,10 @@ from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
 from rlserve.engine.worker.logits_inputs import build_logits_adjustments
 from rlserve.engine.worker.routed_experts import RoutedExpertsRecorder
+from rlserve.lora.peft import PEFTAdapter
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
 from rlserve.model.loader import load_model
+from rlserve.model.lora import lora_mask
 from rlserve.model.models.llama import ForwardContext
 from rlserve.model.moe import routed_experts_dtype
 from rlserve.model.parallel import TensorParallelGroup
@@ -76,6 +78,7 @@ class _StepInputs:
     placeholder_sources: list[int]  # ... and where it sits in that step's sampled ids
     prompt_rows: list[tuple[int, int, int]]  # (scheduled index, first hidden row, count) for prompt logprobs
     prompt_targets: list[int]  # the prompt tokens those rows predict
+    lora_mapping: list[int] | None  # each input token's LoRA slot (-1: none); None when no request has an adapter
 
 
 class Followers(Protocol):
@@ -146,6 +149,10 @@ class ModelRunner:
             config.model, config.dtype, self.device, self.tp, config.load_format, self.ep
         )
         logger.info("model loaded on %s in %.1f s", self.device, time.perf_counter() - started)
+        # Adapter slots before the memory profile and the graphs: they count, and the graphs read them.
+        self.num_lora_slots = config.max_loras if config.enable_lora else 0
+        if self.num_lora_slots:
+            self.model.enable_lora(config.max_loras, config.max_lora_rank)
         self.dtype = self.model.lm_head.weight.dtype
         self.spec = self.model.spec
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
@@ -237,6 +244,7 @@ class ModelRunner:
                 self.max_model_len,
                 self.device,
                 self._routed_rows,
+                self.num_lora_slots,
             )
 
     @torch.inference_mode()
@@ -435,6 +443,9 @@ class ModelRunner:
         placeholder_sources: list[int] = []
         prompt_rows: list[tuple[int, int, int]] = []
         prompt_targets: list[int] = []
+        lora_mapping: list[int] | None = None
+        if self.num_lora_slots and any(item.request.lora_slot >= 0 for item in scheduled):
+            lora_mapping = [slot for item in scheduled for slot in [item.request.lora_slot] * item.num_new_tokens]
         bs = self.block_size
         for i, item in enumerate(scheduled):
             request, n = item.request, item.num_new_tokens
@@ -478,6 +489,7 @@ class ModelRunner:
             placeholder_sources,
             prompt_rows,
             prompt_targets,
+            lora_mapping,
         )
 
     def _forward(self, inputs: _StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
@@ -494,9 +506,12 @@ class ModelRunner:
         pos = self._host_tensor(inputs.positions, torch.long)
         slots = self._host_tensor(inputs.slot_mapping, torch.long)
         seq_lens = self._host_tensor(inputs.seq_lens, torch.int32)
+        lora_mapping = None if inputs.lora_mapping is None else self._host_tensor(inputs.lora_mapping, torch.long)
         if self.followers is not None:
             self._lead_step(inputs, ids, pos, slots, block_tables)
-        return self._run_model(ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens)
+        return self._run_model(
+            ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens, lora_mapping
+        )
 
     def _lead_step(
         self,
@@ -556,13 +571,14 @@ class ModelRunner:
         block_tables: torch.Tensor,
         query_lens: list[int],
         seq_lens_cpu: list[int],
+        lora_mapping: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The decoder over one step's device inputs: a captured CUDA graph for pure decode batches that fit one,
-        eager otherwise."""
+        eager otherwise. lora_mapping: each token's adapter slot (-1: none), or None when no token has one."""
         num_seqs = len(query_lens)
         is_decode = ids.shape[0] == num_seqs
         if is_decode and self.cuda_graphs is not None and num_seqs <= self.cuda_graphs.max_batch_size:
-            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables)
+            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping)
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
@@ -578,7 +594,10 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
         )
-        return self.model(ids, pos, ForwardContext(meta, self.kv_caches, self.backend, self._routed_rows))
+        ctx = ForwardContext(meta, self.kv_caches, self.backend, self._routed_rows)
+        if lora_mapping is not None:
+            ctx.lora_mask = lora_mask(lora_mapping, self.num_lora_slots, self.dtype)
+        return self.model(ids, pos, ctx)
 
     def _logits(self, hidden: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
         """The logits of the rows that sample (every rank computes them: the LM head gathers over the ranks)."""
@@ -748,6 +767,17 @@ class ModelRunner:
             with self.on_device():
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()  # back to the driver, where another process can have it
+
+    # ---- LoRA adapters: written in place into the slots the graphs read ----
+
+    def load_lora(self, slot: int, adapter: PEFTAdapter) -> None:
+        """Put `adapter` in `slot` (checked whole before anything is written)."""
+        with self.on_device():
+            self.model.load_lora(slot, adapter)
+
+    def clear_lora(self, slot: int) -> None:
+        with self.on_device():
+            self.model.clear_lora(slot)
 
     # ---- weights ----
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rlserve.lora.peft import PEFTAdapter
 from rlserve.model import batch_invariant
 from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
 from rlserve.model.layers import (
@@ -27,6 +28,7 @@ from rlserve.model.layers import (
     norm_and_rotate_qk,
     silu_and_mul,
 )
+from rlserve.model.lora import LoRASlots
 from rlserve.model.moe import MoESpec, moe_spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
 
@@ -96,6 +98,9 @@ class ForwardContext:
     # route each token to instead of the router's choice ([tokens, layers, top_k]; -1: the router's). See moe.py.
     routed_experts: torch.Tensor | None = None
     replay_experts: torch.Tensor | None = None
+    # With adapters loaded (DecoderForCausalLM.enable_lora): each token's one-hot LoRA slot [tokens, slots]
+    # (rlserve.model.lora.lora_mask); None when no token of the batch uses one.
+    lora_mask: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -119,7 +124,7 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, ctx.lora_mask)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q = qkv[:, :q_size].view(-1, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
@@ -128,7 +133,7 @@ class Attention(nn.Module):
         q, k = norm_and_rotate_qk(positions, q, k, self.rotary, qk_norms, exact=self.batch_invariant)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj(out.flatten(1), ctx.lora_mask)
 
 
 class MLP(nn.Module):
@@ -143,8 +148,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, spec.hidden_size, spec.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # ctx: the signature of every MLP of a decoder layer (a MoE one reads its routing fields); unused here.
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), exact=self.batch_invariant))
+        mask = ctx.lora_mask
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, mask), exact=self.batch_invariant), mask)
 
 
 class DecoderLayer(nn.Module):
@@ -237,6 +242,58 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, RMSNorm, Attention, MLP)):
                 module.batch_invariant = enabled
+
+    # ---- LoRA adapters (rlserve.model.lora) ----
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Give every projection of the decoder layers `num_slots` empty adapter slots of rank `max_rank`."""
+        if self.tp.size > 1:
+            raise ValueError("enable_lora: not with tensor_parallel_size > 1 yet (adapters are not sharded)")
+        if self.spec.moe is not None:
+            raise ValueError(f"enable_lora: {self.spec.architecture} is a MoE model; adapters need a dense decoder")
+        weight = self.lm_head.weight
+        for module in self._lora_targets():
+            parts = tuple(module.shards.values()) if module.shard_ids else ((0, module.out_features),)
+            module.lora = LoRASlots(
+                module.in_features, module.out_features, parts, num_slots, max_rank, weight.dtype, weight.device
+            )
+
+    def _lora_targets(self) -> Iterator[Linear]:
+        for layer in self.model.layers:
+            yield from (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def load_lora(self, slot: int, adapter: PEFTAdapter) -> None:
+        """Write `adapter` into `slot` of every projection (those it does not target get no delta). Every tensor's
+        module and shape is checked before anything is written: a refused adapter changes nothing."""
+        plan: dict[Linear, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        for name, (a, b) in adapter.weights.items():
+            module, part = self._lora_target(name)
+            rows = module.lora.parts[part][1]
+            if a.shape[1] != module.in_features or b.shape[0] != rows:
+                raise ValueError(
+                    f"adapter tensor {name}.lora_A.weight / lora_B.weight: shapes {list(a.shape)} / {list(b.shape)} "
+                    f"do not fit the layer ([r, {module.in_features}] / [{rows}, r])"
+                )
+            plan.setdefault(module, [None] * len(module.lora.parts))[part] = (a, b)
+        for module in self._lora_targets():
+            module.lora.write(slot, plan.get(module, []), adapter.scaling)
+
+    def _lora_target(self, name: str) -> tuple[Linear, int]:
+        """The projection and the part of it that adapter module `name` (`model.layers.0.self_attn.q_proj`) adapts."""
+        parts = name.split(".")
+        fused = self.fused_names.get(parts[-1])
+        try:
+            module = self.get_submodule(".".join(parts[:-1] + [fused or parts[-1]]))
+        except AttributeError:
+            module = None
+        if not isinstance(module, Linear) or module.lora is None:
+            arch = self.spec.architecture
+            raise ValueError(f"adapter tensor {name}.lora_A.weight: no such projection in this {arch} model")
+        return module, module.shard_ids.index(parts[-1]) if fused else 0
+
+    def clear_lora(self, slot: int) -> None:
+        for module in self._lora_targets():
+            module.lora.write(slot, [], 0.0)
 
     def drop_derived_weights(self) -> None:
         """Forget copies derived from the weights (the fp32 LM head): they are rebuilt from the weights when used."""
