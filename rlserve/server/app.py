@@ -27,6 +27,7 @@ import rlserve
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
 from rlserve.engine.messages import PAUSED_REFUSAL
+from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
@@ -40,6 +41,7 @@ from rlserve.server.generate_protocol import (
     tokens_logprobs,
 )
 from rlserve.server.guards import RequestGuard, check_prompt_chars, check_sampling_limits, error_response
+from rlserve.server.lora_routes import LoRAAdapters, build_lora_router
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (
     APIError,
@@ -184,7 +186,8 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_names: Sequence[str], defaults: ServingDefaults) -> None:
         self.engine = engine
         self.model_names = list(model_names)
-        self.model_name = self.model_names[0]  # responses name the first, as vLLM's
+        self.model_name = self.model_names[0]  # responses name the first, as vLLM's (or the adapter asked for)
+        self.adapters = LoRAAdapters(engine, self.model_names)
         self.defaults = defaults
         # In-flight API requests: response id -> engine request ids (POST /abort_requests reads it).
         self.active: dict[str, list[str]] = {}
@@ -231,10 +234,9 @@ class OpenAIServing:
                 prompts.append(self._tokenized(req, None, p))
         return prompts
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            served = ", ".join(f"`{name}`" for name in self.model_names)
-            raise APIError(404, f"The model `{model}` does not exist (this server serves {served}).", "model")
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a name not served."""
+        return self.adapters.resolve(model)
 
     def _validate(
         self, prompts: list[PromptType], params: SamplingParams, rename: Mapping[str, str]
@@ -273,7 +275,7 @@ class OpenAIServing:
             raise APIError(503, PAUSED_REFUSAL)
 
     async def _generate(
-        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request, lora_request: LoRARequest | None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine outputs of every prompt of one API request, tagged with the prompt's index. `X-Session-ID`
         (vLLM's routing affinity) sends a session's requests to one data-parallel rank, whose prefix cache holds
@@ -284,7 +286,9 @@ class OpenAIServing:
             self.active[request_id] = [request_id]
             try:
                 async with aclosing(
-                    self.engine.generate(prompts[0], request_id=request_id, session_id=session_id)
+                    self.engine.generate(
+                        prompts[0], request_id=request_id, session_id=session_id, lora_request=lora_request
+                    )
                 ) as outputs:
                     async for out in outputs:
                         yield 0, out
@@ -298,7 +302,9 @@ class OpenAIServing:
         async def pump(i: int) -> None:
             try:
                 async with aclosing(
-                    self.engine.generate(prompts[i], request_id=engine_ids[i], session_id=session_id)
+                    self.engine.generate(
+                        prompts[i], request_id=engine_ids[i], session_id=session_id, lora_request=lora_request
+                    )
                 ) as outputs:
                     async for out in outputs:
                         queue.put_nowait((i, out, None))
@@ -321,10 +327,10 @@ class OpenAIServing:
             self.active.pop(request_id, None)
 
     async def _final_outputs(
-        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request, lora_request: LoRARequest | None
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async with aclosing(self._generate(request_id, prompts, raw)) as outputs:
+        async with aclosing(self._generate(request_id, prompts, raw, lora_request)) as outputs:
             async for i, out in outputs:
                 finals[i] = out
         return finals
@@ -381,7 +387,8 @@ class OpenAIServing:
     # ---- /v1/completions ----
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
+        model = self.model_name if lora is None else lora.lora_name
         rename = {"prompt_token_ids": "prompt"}
         try:
             params = self.defaults.apply(req, req.sampling_params())
@@ -419,15 +426,16 @@ class OpenAIServing:
                     prompt_logprobs=prompt_logprobs(prompt_lps, fmt),
                     prompt_token_ids=out.prompt_token_ids if first and req.return_token_ids else None,
                 )
-                return CompletionStreamResponse(id=response_id, model=self.model_name, choices=[choice])
+                return CompletionStreamResponse(id=response_id, model=model, choices=[choice])
 
             def usage_chunk(usage: UsageInfo) -> BaseModel:
-                return CompletionStreamResponse(id=response_id, model=self.model_name, choices=[], usage=usage)
+                return CompletionStreamResponse(id=response_id, model=model, choices=[], usage=usage)
 
-            body = self._stream(self._generate(request_id, prompts, raw), n, req.include_usage, chunk, usage_chunk, [])
+            outputs = self._generate(request_id, prompts, raw, lora)
+            body = self._stream(outputs, n, req.include_usage, chunk, usage_chunk, [])
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw, lora))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         usage = _Usage()
@@ -449,7 +457,7 @@ class OpenAIServing:
                         prompt_token_ids=out.prompt_token_ids if req.return_token_ids else None,
                     )
                 )
-        response = CompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage.info())
+        response = CompletionResponse(id=response_id, model=model, choices=choices, usage=usage.info())
         return Response(response.model_dump_json(), media_type="application/json")
 
     # ---- /v1/chat/completions ----
@@ -497,7 +505,8 @@ class OpenAIServing:
         return True
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
+        model = self.model_name if lora is None else lora.lora_name
         rename = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
@@ -553,26 +562,25 @@ class OpenAIServing:
                 # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
                 top_level = prompt_logprobs(prompt_lps, fmt) if index == 0 else None
                 return ChatCompletionStreamResponse(
-                    id=response_id, model=self.model_name, choices=[choice], prompt_logprobs=top_level
+                    id=response_id, model=model, choices=[choice], prompt_logprobs=top_level
                 )
 
             def usage_chunk(usage: UsageInfo) -> BaseModel:
-                return ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[], usage=usage)
+                return ChatCompletionStreamResponse(id=response_id, model=model, choices=[], usage=usage)
 
             def preamble(delta: DeltaMessage, i: int) -> BaseModel:
                 choice = ChatCompletionStreamChoice(index=i, delta=delta)
-                return ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[choice])
+                return ChatCompletionStreamResponse(id=response_id, model=model, choices=[choice])
 
             # Each choice's role, then (echo) the text its reply continues, as vLLM streams them.
             first_chunks = [preamble(DeltaMessage(role="assistant", content=""), i) for i in range(params.n)]
             if echoed:
                 first_chunks += [preamble(DeltaMessage(content=echoed), i) for i in range(params.n)]
-            body = self._stream(
-                self._generate(request_id, prompts, raw), params.n, req.include_usage, chunk, usage_chunk, first_chunks
-            )
+            outputs = self._generate(request_id, prompts, raw, lora)
+            body = self._stream(outputs, params.n, req.include_usage, chunk, usage_chunk, first_chunks)
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw, lora))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals
@@ -599,7 +607,7 @@ class OpenAIServing:
             )
         response = ChatCompletionResponse(
             id=response_id,
-            model=self.model_name,
+            model=model,
             choices=choices,
             usage=usage.info(),
             prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
@@ -612,7 +620,8 @@ class OpenAIServing:
     async def generate_tokens(self, req: GenerateRequest, raw: Request) -> Response:
         """Token ids in, token ids (and logprobs with integer token ids) out. The client's `request_id` names the
         request for /abort_requests."""
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
+        model = self.model_name if lora is None else lora.lora_name
         params = sampling_params_from_dict(req.sampling_params, req.stream)
         rename = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
         rename |= {"prompt": "token_ids", "prompt_token_ids": "token_ids"}
@@ -645,11 +654,11 @@ class OpenAIServing:
                 return GenerateStreamResponse(request_id=request_id, choices=[], usage=usage)
 
             body = self._stream(
-                self._generate(request_id, prompts, raw), params.n, req.include_usage, chunk, usage_chunk, []
+                self._generate(request_id, prompts, raw, lora), params.n, req.include_usage, chunk, usage_chunk, []
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw, lora))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals
@@ -657,7 +666,7 @@ class OpenAIServing:
         usage.add(0, out)
         response = GenerateResponse(
             request_id=request_id,
-            model=self.model_name,
+            model=model,
             choices=[choice(s) for s in out.outputs],
             usage=usage.info(),
             prompt_logprobs=prompt_logprobs(out.prompt_logprobs, TokenFormatter(False)),
@@ -808,11 +817,8 @@ def build_app(
 
     @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)
     async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in model_names
-            ]
-        )
+        base = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in model_names]
+        return ModelList(data=base + serving.adapters.cards(engine.max_model_len))
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], responses=errors)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -823,6 +829,8 @@ def build_app(
         return await serving.chat(req, raw)
 
     app.include_router(build_vllm_router(serving, auth), responses=errors)
+    app.include_router(build_lora_router(serving.adapters, auth), responses=errors)
+    app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
     if enable_rl_api:
         rl_auth = auth if rl_api_keyed else make_auth([])
         rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs)

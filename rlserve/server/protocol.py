@@ -646,6 +646,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "rlserve"
     root: str
+    parent: str | None = None  # an adapter's base model
     max_model_len: int
 
 

@@ -33,6 +33,7 @@ from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import build_app
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
+from rlserve.server.protocol import APIError
 from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
 
 if TYPE_CHECKING:
@@ -93,6 +94,13 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         defaults=args.serving_defaults,
         allowed_weight_dirs=args.allowed_weight_dirs,
     )
+    for module in args.lora_modules:
+        name, path, base = module["name"], module["path"], module["base_model_name"]
+        try:
+            await app.state.lora_adapters.load(name, path, base_model_name=base)
+        except APIError as e:
+            logger.error("--lora-modules %s: %s", name, e.message)
+            return 1
     log_level = args.uvicorn_log_level or args.log_level
     config = uvicorn.Config(
         app, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout_s

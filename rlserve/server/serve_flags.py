@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,6 +172,34 @@ def _check_defaults(args: argparse.Namespace) -> None:
     )
 
 
+def parse_lora_module(text: str) -> dict[str, str | None]:
+    """One --lora-modules item, either of vLLM's forms: NAME=PATH, or a JSON object with "name", "path" and
+    optionally "base_model_name"."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({e})") from e
+        if not isinstance(item, dict) or set(item) - {"name", "path", "base_model_name"}:
+            raise ValueError(f'--lora-modules: {text!r}: expected an object of "name", "path", "base_model_name"')
+        name, path, base = item.get("name"), item.get("path"), item.get("base_model_name")
+    else:
+        name, _, path = text.partition("=")
+        base = None
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise ValueError(f"--lora-modules: {text!r}: needs a name and a path (NAME=PATH)")
+    return {"name": name, "path": path, "base_model_name": base}
+
+
+def _check_lora(args: argparse.Namespace) -> None:
+    args.lora_modules = [parse_lora_module(text) for text in args.lora_modules or []]
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if args.enable_lora and args.api_server_count > 1:
+        # The names clients send live in the API server that loaded them; several would each hold their own.
+        raise ValueError("--enable-lora: not with --api-server-count > 1 yet (adapter names are per API server)")
+
+
 def _check_keep_alive(args: argparse.Namespace) -> None:
     """How long the API server keeps an idle connection open: $VLLM_HTTP_TIMEOUT_KEEP_ALIVE s, else the default."""
     raw = os.environ.get(KEEP_ALIVE_ENV)
@@ -189,6 +218,7 @@ SERVE_CHECKS = (
     _check_rl_api_auth,
     _check_tool_calls,
     _check_defaults,
+    _check_lora,
     _check_keep_alive,
 )
 
@@ -282,6 +312,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         help=f"{', '.join(QUANTIZATIONS)} (bf16, fp32 LM head); other methods (fp8, ...) are not implemented yet",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='LoRA adapters to serve from the start, as NAME=PATH or a JSON object {"name", "path", '
+        '"base_model_name"}; requests name one as their model (needs --enable-lora)',
     )
     serve.add_argument(
         "--enable-sleep-mode",
