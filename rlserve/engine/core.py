@@ -159,10 +159,8 @@ class EngineCore:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Unload an adapter (False if not loaded); refused while requests use it."""
-        manager = self._lora_manager("lora_id")
-        users = sum(1 for r in self.requests.values() if r.lora is not None and r.lora[0] == lora_id)
-        return manager.remove(lora_id, users)
+        """Unload an adapter (False if not loaded); requests already running with it finish with it."""
+        return self._lora_manager("lora_id").remove(lora_id)
 
     def list_loras(self) -> set[int]:
         return self._lora_manager("list_loras").ids()
@@ -182,6 +180,8 @@ class EngineCore:
         request.routed_experts = self.runner.take_routed_experts(request)  # before its blocks are freed
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
+        if request.lora is not None:
+            self.lora.release(request.lora_slot)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:

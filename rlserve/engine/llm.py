@@ -357,7 +357,7 @@ class LLM(EngineFrontEnd):
         return added
 
     def remove_lora(self, lora_id: int) -> bool:
-        """Unload an adapter; False if it is not loaded. Refused while requests use it."""
+        """Unload an adapter; False if it is not loaded. Requests already running with it finish with it."""
         removed = self.client.call("remove_lora", lora_id)
         self._loaded_loras.pop(lora_id, None)
         return removed

@@ -4,6 +4,7 @@ list_loras and of a request that names an adapter."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -32,6 +33,9 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.loaded: dict[int, LoadedLoRA] = {}  # by lora_int_id
+        self.users: Counter[int] = Counter()  # requests running or waiting with each slot
+        # Slots of removed adapters that requests still use: freed when the last of them finishes.
+        self.retiring: set[int] = set()
         self._versions = itertools.count(1)
 
     def add(self, request: LoRARequest) -> LoadedLoRA:
@@ -41,34 +45,47 @@ class LoRAManager:
         if current is not None and not request.load_inplace:
             return current
         adapter = load_peft_adapter(request.lora_path, self.max_lora_rank)
-        if current is None and len(self.loaded) >= self.max_loras:
+        free = set(range(self.max_loras)) - self._used_slots() - self.retiring
+        if current is None and not free:
+            retiring = f", and {len(self.retiring)} removed ones still finish requests" if self.retiring else ""
             raise ValueError(
-                f"max_loras: {self.max_loras} adapters are loaded already (ids {sorted(self.loaded)}); remove one "
-                f"(remove_lora) before loading {request.lora_name!r}, or start the engine with a larger max_loras"
+                f"max_loras: all {self.max_loras} adapter slots are taken (loaded ids {sorted(self.loaded)}{retiring});"
+                f" remove one (remove_lora) before loading {request.lora_name!r}, or start the engine with a larger "
+                "max_loras"
             )
-        slot = current.slot if current is not None else min(set(range(self.max_loras)) - self._used_slots())
+        slot = current.slot if current is not None else min(free)
         self.slots.load_lora(slot, adapter)
         loaded = self.loaded[request.lora_int_id] = LoadedLoRA(request, slot, next(self._versions))
         return loaded
 
     def get(self, request: LoRARequest) -> LoadedLoRA:
         """The adapter a new request runs with, loaded first if it is not (vLLM does); never reloaded here (a
-        front end sends add_lora once for a `load_inplace` request, not once per sample)."""
+        front end sends add_lora once for a `load_inplace` request, not once per sample). The request counts as a
+        user of the adapter's slot until `release`."""
         current = self._check_names(request)
-        return current if current is not None else self.add(replace(request, load_inplace=False))
+        loaded = current if current is not None else self.add(replace(request, load_inplace=False))
+        self.users[loaded.slot] += 1
+        return loaded
 
-    def remove(self, lora_id: int, num_users: int) -> bool:
-        """Unload adapter `lora_id` (False if it is not loaded); refused while `num_users` requests use it."""
-        current = self.loaded.get(lora_id)
+    def release(self, slot: int) -> None:
+        """A request that ran with `slot` finished; the last user of a removed adapter frees its slot."""
+        self.users[slot] -= 1
+        if self.users[slot] == 0:
+            del self.users[slot]
+            if slot in self.retiring:
+                self.retiring.discard(slot)
+                self.slots.clear_lora(slot)
+
+    def remove(self, lora_id: int) -> bool:
+        """Unload adapter `lora_id` (False if it is not loaded). New requests no longer find it at once; requests
+        already running or waiting with it finish with it, and its slot is freed after the last of them."""
+        current = self.loaded.pop(lora_id, None)
         if current is None:
             return False
-        if num_users:
-            raise ValueError(
-                f"lora_id: adapter {current.request.lora_name!r} (id {lora_id}) is used by {num_users} running or "
-                "waiting requests; remove it once they finish (or abort them)"
-            )
-        del self.loaded[lora_id]
-        self.slots.clear_lora(current.slot)
+        if self.users[current.slot]:
+            self.retiring.add(current.slot)
+        else:
+            self.slots.clear_lora(current.slot)
         return True
 
     def ids(self) -> set[int]:
