@@ -193,9 +193,10 @@ def parse_lora_module(text: str) -> dict[str, str | None]:
 
 def _check_lora(args: argparse.Namespace) -> None:
     args.lora_modules = [parse_lora_module(text) for text in args.lora_modules or []]
-    if args.lora_modules and not args.enable_lora:
+    enable_lora = getattr(args, "enable_lora", False)  # engine flags not given stay out of the namespace
+    if args.lora_modules and not enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    if args.enable_lora and args.api_server_count > 1:
+    if enable_lora and args.api_server_count > 1:
         # The names clients send live in the API server that loaded them; several would each hold their own.
         raise ValueError("--enable-lora: not with --api-server-count > 1 yet (adapter names are per API server)")
 
