@@ -92,3 +92,5 @@ class RequestOutput:
                     sample.logprobs = sample.logprobs + later.logprobs
                 sample.cumulative_logprob = later.cumulative_logprob
                 sample.finish_reason, sample.stop_reason = later.finish_reason, later.stop_reason
+                if later.routed_experts is not None:  # only the finished output carries them, whole
+                    sample.routed_experts = later.routed_experts

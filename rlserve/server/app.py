@@ -239,9 +239,14 @@ class OpenAIServing:
         return self.adapters.resolve(model)
 
     def _validate(
-        self, prompts: list[PromptType], params: SamplingParams, rename: Mapping[str, str]
+        self,
+        prompts: list[PromptType],
+        params: SamplingParams,
+        rename: Mapping[str, str],
+        lora_request: LoRARequest | None = None,
     ) -> list[ValidatedPrompt]:
-        """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts)."""
+        """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts). Each
+        validated prompt carries the adapter it runs with to the engine."""
         max_model_len = self.engine.max_model_len
         try:
             check_sampling_limits(params, len(prompts))
@@ -250,7 +255,7 @@ class OpenAIServing:
         validated = []
         for prompt in prompts:
             try:
-                checked = self.engine.validate_prompt(prompt, params)
+                checked = self.engine.validate_prompt(prompt, params, lora_request)
             except ValueError as e:
                 raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
             # The engine would silently cut such a request short; OpenAI and vLLM refuse it.
@@ -275,7 +280,7 @@ class OpenAIServing:
             raise APIError(503, PAUSED_REFUSAL)
 
     async def _generate(
-        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request, lora_request: LoRARequest | None
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine outputs of every prompt of one API request, tagged with the prompt's index. `X-Session-ID`
         (vLLM's routing affinity) sends a session's requests to one data-parallel rank, whose prefix cache holds
@@ -286,9 +291,7 @@ class OpenAIServing:
             self.active[request_id] = [request_id]
             try:
                 async with aclosing(
-                    self.engine.generate(
-                        prompts[0], request_id=request_id, session_id=session_id, lora_request=lora_request
-                    )
+                    self.engine.generate(prompts[0], request_id=request_id, session_id=session_id)
                 ) as outputs:
                     async for out in outputs:
                         yield 0, out
@@ -302,9 +305,7 @@ class OpenAIServing:
         async def pump(i: int) -> None:
             try:
                 async with aclosing(
-                    self.engine.generate(
-                        prompts[i], request_id=engine_ids[i], session_id=session_id, lora_request=lora_request
-                    )
+                    self.engine.generate(prompts[i], request_id=engine_ids[i], session_id=session_id)
                 ) as outputs:
                     async for out in outputs:
                         queue.put_nowait((i, out, None))
@@ -327,10 +328,10 @@ class OpenAIServing:
             self.active.pop(request_id, None)
 
     async def _final_outputs(
-        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request, lora_request: LoRARequest | None
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
     ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async with aclosing(self._generate(request_id, prompts, raw, lora_request)) as outputs:
+        async with aclosing(self._generate(request_id, prompts, raw)) as outputs:
             async for i, out in outputs:
                 finals[i] = out
         return finals
@@ -394,7 +395,7 @@ class OpenAIServing:
             params = self.defaults.apply(req, req.sampling_params())
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, "prompt", rename) from e
-        prompts = await self.off_loop(lambda: self._validate(self._completion_prompts(req), params, rename))
+        prompts = await self.off_loop(lambda: self._validate(self._completion_prompts(req), params, rename, lora))
         self._check_serving()
         response_id, request_id = self._request_ids(req, "cmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
@@ -431,11 +432,11 @@ class OpenAIServing:
             def usage_chunk(usage: UsageInfo) -> BaseModel:
                 return CompletionStreamResponse(id=response_id, model=model, choices=[], usage=usage)
 
-            outputs = self._generate(request_id, prompts, raw, lora)
+            outputs = self._generate(request_id, prompts, raw)
             body = self._stream(outputs, n, req.include_usage, chunk, usage_chunk, [])
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw, lora))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         usage = _Usage()
@@ -518,7 +519,7 @@ class OpenAIServing:
         if parse_tools and "skip_special_tokens" not in req.model_fields_set:
             # vLLM's: a model's tool-call tags may be special tokens, which the parser must see.
             params = dataclasses.replace(params, skip_special_tokens=False)
-        prompts = await self.off_loop(lambda: self._validate([self._chat_prompt(req)], params, rename))
+        prompts = await self.off_loop(lambda: self._validate([self._chat_prompt(req)], params, rename, lora))
         self._check_serving()
         response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
@@ -576,11 +577,11 @@ class OpenAIServing:
             first_chunks = [preamble(DeltaMessage(role="assistant", content=""), i) for i in range(params.n)]
             if echoed:
                 first_chunks += [preamble(DeltaMessage(content=echoed), i) for i in range(params.n)]
-            outputs = self._generate(request_id, prompts, raw, lora)
+            outputs = self._generate(request_id, prompts, raw)
             body = self._stream(outputs, params.n, req.include_usage, chunk, usage_chunk, first_chunks)
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw, lora))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals
@@ -626,7 +627,7 @@ class OpenAIServing:
         rename = {name: f"sampling_params.{name}" for name in SamplingParams.__dataclass_fields__}
         rename |= {"prompt": "token_ids", "prompt_token_ids": "token_ids"}
         prompt = {"prompt_token_ids": req.token_ids, "cache_salt": req.cache_salt}
-        prompts = await self.off_loop(lambda: self._validate([prompt], params, rename))
+        prompts = await self.off_loop(lambda: self._validate([prompt], params, rename, lora))
         self._check_serving()
         request_id = req.request_id or new_id("generate")
         self._claim(request_id)
@@ -654,11 +655,11 @@ class OpenAIServing:
                 return GenerateStreamResponse(request_id=request_id, choices=[], usage=usage)
 
             body = self._stream(
-                self._generate(request_id, prompts, raw, lora), params.n, req.include_usage, chunk, usage_chunk, []
+                self._generate(request_id, prompts, raw), params.n, req.include_usage, chunk, usage_chunk, []
             )
             return StreamingResponse(body, media_type="text/event-stream")
 
-        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw, lora))
+        finals = await _cancel_on_disconnect(raw, self._final_outputs(request_id, prompts, raw))
         if finals is None:
             return Response(status_code=499)
         (out,) = finals

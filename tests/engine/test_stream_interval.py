@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 from conftest import KV_BLOCKS
 
 from rlserve.engine.async_llm import AsyncLLM
@@ -80,3 +81,20 @@ def test_cumulative_outputs_fold_to_the_latest():
     folded.add(output("abc", [1, 2, 3], True), aggregate=False)
     assert (folded.outputs[0].text, folded.outputs[0].token_ids, folded.finished) == ("abc", [1, 2, 3], True)
     assert folded.outputs[0].finish_reason == "length"
+
+
+def test_folded_deltas_keep_the_finished_outputs_routed_experts():
+    """Only the finished delta carries the routing of the whole sequence (a MoE server's last stream chunk): an
+    unfinished delta folded with it must not drop it."""
+    routing = np.arange(12, dtype=np.uint8).reshape(3, 2, 2)
+
+    def delta(text: str, token_ids: list[int], routed: np.ndarray | None) -> RequestOutput:
+        finished = routed is not None
+        sample = CompletionOutput(0, text, token_ids, None, None, "length" if finished else None)
+        sample.routed_experts = routed
+        return RequestOutput("r", "p", [1], None, [sample], finished)
+
+    folded = delta("a", [1], None)
+    folded.add(delta("b", [2], routing), aggregate=True)
+    assert folded.finished and folded.outputs[0].token_ids == [1, 2]
+    np.testing.assert_array_equal(folded.outputs[0].routed_experts, routing)

@@ -2,8 +2,8 @@
 
 Server starts cost seconds, so each is started once per session: `server` (RL API on, API key, the `nccl`
 weight-transfer backend for the live-update test) and, only for the tests that need them, `plain_server` (RL API
-off), `batch_invariant_server`, `replica_servers` and `extension_server`. Every test that pauses resumes in `rl`'s
-teardown, so a failing test cannot leave the shared server paused.
+off), `batch_invariant_server`, `lora_server`, `replica_servers` and `extension_server`. Every test that pauses
+resumes in `rl`'s teardown, so a failing test cannot leave the shared server paused.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, free_port
 
 from rlserve.rl.client import RLServeClient
-from rlserve.toy import make_model_dir
+from rlserve.toy import make_lora_dir, make_model_dir, merge_lora
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0  # a loaded CI machine needs tens of seconds to import torch and build the engine
@@ -116,6 +116,28 @@ def replica_servers(server_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 def extension_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("server-logs") / "extension.log"
     args = ("--enable-rl-api", "--worker-extension-cls", "worker_extension:CheckpointLoader")
+    yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def server_lora_dirs(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Adapters of the server's checkpoint ("static", "fresh", "fresh-v2": fresh after an optimizer step) and the
+    checkpoint with "static" merged in ("static-merged"): what the server must compute under that adapter."""
+    root = tmp_path_factory.mktemp("server-lora")
+    dirs = {
+        name: make_lora_dir(root / name, server_model_dir, rank=8, seed=seed)
+        for seed, name in enumerate(("static", "fresh", "fresh-v2"), start=1)
+    }
+    dirs["static-merged"] = merge_lora(root / "static-merged", server_model_dir, dirs["static"])
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def lora_server(server_lora_dirs: dict[str, Path], server_model_dir: Path, tmp_path_factory) -> Iterator[Server]:
+    """Two adapter slots, "static" loaded at start (--lora-modules); the tests load and unload others."""
+    log = tmp_path_factory.mktemp("server-logs") / "lora.log"
+    args = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+    args += ("--lora-modules", f"static={server_lora_dirs['static']}")
     yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
 
 

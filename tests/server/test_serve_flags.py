@@ -129,6 +129,31 @@ def test_quantization_bf16_last_layer_fp32_is_an_fp32_lm_head(capsys: pytest.Cap
     assert "--quantization awq: not implemented yet" in refused(capsys, "m", "-q", "awq")
 
 
+def test_lora_flags_parse_as_vllms(capsys: pytest.CaptureFixture) -> None:
+    args = parse(
+        "m",
+        "--enable-lora",
+        "--max-loras",
+        "3",
+        "--max_lora_rank",
+        "32",
+        "--lora-modules",
+        "a=/x/a",
+        '{"name": "b", "path": "/x/b", "base_model_name": "m"}',
+    )
+    assert args.lora_modules == [
+        {"name": "a", "path": "/x/a", "base_model_name": None},
+        {"name": "b", "path": "/x/b", "base_model_name": "m"},
+    ]
+    config = make_engine_config("m", **engine_kwargs(args))
+    assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 3, 32)
+    assert "--lora-modules needs --enable-lora" in refused(capsys, "m", "--lora-modules", "a=/x/a")
+    assert "needs a name and a path" in refused(capsys, "m", "--enable-lora", "--lora-modules", "a")
+    assert "is not valid JSON" in refused(capsys, "m", "--enable-lora", "--lora-modules", "{nope")
+    assert 'expected an object of "name"' in refused(capsys, "m", "--enable-lora", "--lora-modules", '{"nm": 1}')
+    assert "not with --api-server-count > 1" in refused(capsys, "m", "--enable-lora", "--api-server-count", "2")
+
+
 def test_accepted_vllm_flags_say_what_they_do(capsys: pytest.CaptureFixture) -> None:
     args = parse(
         "m", "--enable-sleep-mode", "--trust-remote-code", "--disable-log-stats", "--uvicorn-log-level", "trace"
