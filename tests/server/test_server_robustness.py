@@ -29,9 +29,9 @@ from rlserve.server.guards import (
 
 JSON = {"content-type": "application/json"}
 NOT_UTF8 = b'{"method": "describe\xff\xfe"}'
-# /health's bound while one bad request is handled: 100 ms on an idle machine; 1 s leaves room for a loaded 2-core
-# CI machine (the stalls this guards against were 2.7 to 30 s).
-HEALTH_BOUND_S = 1.0
+# /health's bound while one bad request is handled: 100 ms on an idle machine, 1.2 s seen on 2 cores shared by three
+# test runs; 2 s still catches the stalls this guards against (2.7 to 30 s).
+HEALTH_BOUND_S = 2.0
 
 
 def test_bad_bodies_are_400s_naming_the_field(server: Server) -> None:
