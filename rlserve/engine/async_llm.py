@@ -31,6 +31,7 @@ from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.profiler import require_profiling
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -441,6 +442,25 @@ class AsyncLLM(EngineFrontEnd):
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         await self._call("reset_prefix_cache", reset_running_requests)
+
+    # ---- profiling (see LLM.start_profile) ----
+
+    async def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+        profiler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """vLLM's; see LLM.start_profile. The session lives in the engine core, so it is one for every front end
+        of the core (an API server may stop what another started)."""
+        args = self.profile_args(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        await self._call("start_profile", *args)
+
+    async def stop_profile(self) -> None:
+        require_profiling(self.config)
+        await self._call("stop_profile")
 
     async def check_health(self) -> None:
         """vLLM's: raise EngineDeadError if the engine core is gone (its process died, or a step failed)."""

@@ -1,5 +1,5 @@
 """AsyncLLM's vLLM 0.33 surface besides generate: construction from (Async)EngineArgs, add_request with its output
-collector, and abort(request_id, internal=...)."""
+collector, abort(request_id, internal=...), and start_profile/stop_profile refused without a profiler_config."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def test_from_engine_args_add_request_and_abort(qwen3_dir, monkeypatch) -> None:
         last = (await until_finished(collector))[-1]
         assert last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < LONG.max_tokens
         assert "long" not in engine._streams and (await engine.stats())["num_running"] == 0
+
+        # vLLM's refusal when the engine has no profiler_config, naming what to set
+        for call in (engine.start_profile, engine.stop_profile):
+            with pytest.raises(RuntimeError, match="^profiling is not enabled: start the engine with profiler_config"):
+                await call()
 
     try:
         asyncio.run(go())
