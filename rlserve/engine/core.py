@@ -801,8 +801,8 @@ class EngineCore:
 
     @contextlib.contextmanager
     def _profiled_step(self):
-        """One step of a profiling session: tracing starts before it once the delay has passed (a failure to start is
-        logged, never a failed step), the step is a range of the trace, and tracing stops after it at max_steps."""
+        """One step of a profiling session: tracing starts before it once the delay has passed, the step is a range of
+        the trace, and tracing stops after it at max_steps (a profiler's failure is logged, never a failed step)."""
         session = self.profile_session
         if session.should_start():
             try:
@@ -817,7 +817,10 @@ class EngineCore:
             yield
         if session.stepped():
             session.done = True
-            self._stop_tracing(session)
+            try:
+                self._stop_tracing(session)
+            except Exception:
+                logger.exception("writing the profile trace failed")
 
     def shutdown(self) -> None:
         session, self.profile_session = self.profile_session, None
