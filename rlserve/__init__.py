@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineConfig": "rlserve.config",
     "Logprob": "rlserve.outputs",
     "LoRARequest": "rlserve.lora.request",
+    "ProfilerConfig": "rlserve.config",
     "RequestOutput": "rlserve.outputs",
     "RequestOutputKind": "rlserve.sampling_params",
     "RetryableRequestError": "rlserve.engine.core_client",

@@ -6,6 +6,8 @@ rlserve.engine.args derives the command-line flags from them, so a field and its
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
@@ -24,6 +26,124 @@ class WeightTransferConfig:
     """Which weight-transfer backend the engine creates (`nccl`, `ipc`, or a registered name)."""
 
     backend: str = "nccl"
+
+
+# vLLM 0.33's profilers (ProfilerConfig.profiler) that rlserve does not implement, and why.
+UNSUPPORTED_PROFILERS = {
+    "cuda": "cudaProfilerStart/Stop for an outside profiler (nsys) is not implemented; use 'torch', or nsys with "
+    "its own capture range",
+    "proton": "the Triton Proton profiler is not implemented; use 'torch'",
+}
+TORCH_PROFILER_ACTIVITIES = ("CPU", "CUDA")
+# vLLM 0.33's ProfilerConfig keys that rlserve does not implement (refused by name, with why), and those it takes only
+# at the value that says what rlserve does anyway.
+_PROTON = "the Triton Proton profiler is not implemented (profiler 'torch' only)"
+UNSUPPORTED_PROFILER_KEYS = {
+    **{
+        key: _PROTON
+        for key in (
+            "proton_profiler_dir",
+            "proton_context",
+            "proton_data",
+            "proton_backend",
+            "proton_mode",
+            "proton_hook",
+            "proton_output_format",
+            "proton_graph_attribution",
+        )
+    },
+    "torch_profiler_dump_cuda_time_total": "rlserve writes the trace only, no summary table",
+    "capture_torch_profiler": "CUDA-graph capture is not profiled",
+    "detailed_trace_annotation": "steps are annotated with their number of requests and tokens only",
+    "warmup_iterations": "no torch.profiler schedule; delay_iterations and max_iterations bound the trace",
+    "active_iterations": "no torch.profiler schedule; delay_iterations and max_iterations bound the trace",
+    "wait_iterations": "no torch.profiler schedule; delay_iterations and max_iterations bound the trace",
+}
+FIXED_PROFILER_KEYS = {"ignore_frontend": (True, "rlserve traces the engine-core processes only, never the front end")}
+
+
+def _is_uri(path: str) -> bool:
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and len(scheme) > 1  # "C://" is a drive letter
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """vLLM 0.33's `--profiler-config` (vllm.config.ProfilerConfig), the torch profiler part: `start_profile` /
+    `stop_profile` record a torch.profiler trace of every engine-core process (each data-parallel rank and
+    tensor-parallel rank) into `torch_profiler_dir`, one Chrome trace per rank. `profiler=None` (the default) is
+    profiling off, as in vLLM. Build it from a dict with `from_dict`, which names any key rlserve lacks."""
+
+    profiler: str | None = None  # "torch"
+    torch_profiler_dir: str = ""  # made absolute here (vLLM's rule)
+    torch_profiler_activities: tuple[str, ...] | None = None  # default: CPU, and CUDA on a GPU
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True  # .json.gz, else .json
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    delay_iterations: int = 0  # engine steps after start_profile before the trace starts
+    max_iterations: int = 0  # engine steps traced before it stops by itself (0: until stop_profile)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.profiler, str) and self.profiler in UNSUPPORTED_PROFILERS:
+            why = UNSUPPORTED_PROFILERS[self.profiler]
+            raise ValueError(f"profiler_config.profiler: {self.profiler!r} is not supported: {why}")
+        if self.profiler not in (None, "torch"):
+            raise ValueError(f"profiler_config.profiler: must be 'torch' or null, got {self.profiler!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"profiler_config.{f.name}: must be true or false, got {value!r}")
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"profiler_config.{f.name}: must be an integer >= 0, got {value!r}")
+        if not isinstance(self.torch_profiler_dir, str):
+            raise ValueError(f"profiler_config.torch_profiler_dir: must be a string, got {self.torch_profiler_dir!r}")
+        if self.profiler is None:
+            for name in ("torch_profiler_dir", "torch_profiler_activities"):
+                if getattr(self, name):
+                    raise ValueError(f"profiler_config.{name}: only applicable when profiler is 'torch'")
+            return
+        if not self.torch_profiler_dir:
+            raise ValueError("profiler_config.torch_profiler_dir: must be set when profiler is 'torch'")
+        if _is_uri(self.torch_profiler_dir):
+            raise ValueError(
+                f"profiler_config.torch_profiler_dir: a local directory, got {self.torch_profiler_dir!r} (rlserve "
+                "writes traces with plain file I/O)"
+            )
+        object.__setattr__(self, "torch_profiler_dir", os.path.abspath(os.path.expanduser(self.torch_profiler_dir)))
+        activities = self.torch_profiler_activities
+        if activities is not None:
+            activities = tuple(activities) if isinstance(activities, (list, tuple)) else (activities,)
+            bad = [a for a in activities if a not in TORCH_PROFILER_ACTIVITIES]
+            if not activities or bad or len(set(activities)) != len(activities):
+                raise ValueError(
+                    f"profiler_config.torch_profiler_activities: a non-empty list of distinct "
+                    f"{list(TORCH_PROFILER_ACTIVITIES)}, got {list(activities)}"
+                )
+            object.__setattr__(self, "torch_profiler_activities", activities)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ProfilerConfig:
+        """vLLM's JSON form; keys of vLLM's that rlserve does not implement are refused by name, with why."""
+        known = {f.name for f in fields(cls)}
+        kept = {}
+        for key, value in values.items():
+            if key in known:
+                kept[key] = value
+            elif key in FIXED_PROFILER_KEYS:
+                fixed, why = FIXED_PROFILER_KEYS[key]
+                if value != fixed:
+                    raise ValueError(f"profiler_config.{key}: only {json.dumps(fixed)} is supported ({why})")
+            elif key in UNSUPPORTED_PROFILER_KEYS:
+                raise ValueError(f"profiler_config.{key}: not supported ({UNSUPPORTED_PROFILER_KEYS[key]})")
+            else:
+                raise ValueError(f"profiler_config.{key}: unknown key (neither vLLM nor rlserve has it)")
+        return cls(**kept)
+
+    @property
+    def enabled(self) -> bool:
+        return self.profiler is not None
 
 
 def _option(default: Any, help: str, choices: tuple[str, ...] | None = None, human_readable: bool = False) -> Any:
@@ -93,6 +213,12 @@ class EngineConfig:
     )
     weight_transfer_config: WeightTransferConfig | None = _option(
         None, 'JSON, e.g. \'{"backend": "nccl"}\'; enables live weight updates'
+    )
+    profiler_config: ProfilerConfig | None = _option(
+        None,
+        'JSON, vLLM\'s, e.g. \'{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}\': start_profile/'
+        "stop_profile (and POST /start_profile, /stop_profile with the RL API) write a torch.profiler trace of every "
+        "engine-core process there",
     )
     tensor_parallel_size: int = _option(
         1,
@@ -211,6 +337,14 @@ class EngineConfig:
             raise ValueError(
                 "data_parallel_lockstep: needs data_parallel_size > 1 (one engine core has no peer to step with)"
             )
+        profiler = self.profiler_config
+        if profiler is not None:
+            if not isinstance(profiler, ProfilerConfig):
+                raise ValueError(f"profiler_config: expected a ProfilerConfig (or its JSON), got {profiler!r}")
+            if "CUDA" in (profiler.torch_profiler_activities or ()) and not self.device.startswith("cuda"):
+                raise ValueError(
+                    f"profiler_config.torch_profiler_activities: CUDA needs a CUDA device, not {self.device}"
+                )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             name = "max_loras" if self.max_loras < 1 else "max_lora_rank"
             raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -2,9 +2,9 @@
 
 The flags are derived from the fields (name, type, default, and `help`/`choices` in their metadata), so the CLI,
 the server, the demo and the benchmarks offer every engine option under one spelling each: `--max-num-seqs` for
-`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field, and vLLM's `4k`/`4K` for counts
-marked `human_readable`. Other spellings are one line each in `FLAG_ALIASES`; `FlagParser` takes vLLM's underscored
-spelling (`--max_model_len`) of every flag.
+`max_num_seqs`, `--x/--no-x` for a boolean `x`, JSON for a dataclass-valued field (or vLLM's dotted keys,
+`--x.key=value`), and vLLM's `4k`/`4K` for counts marked `human_readable`. Other spellings are one line each in
+`FLAG_ALIASES`; `FlagParser` takes vLLM's underscored spelling (`--max_model_len`) of every flag.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import sys
@@ -20,10 +21,13 @@ import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.config import EngineConfig, ProfilerConfig, WeightTransferConfig
 from rlserve.hub import resolve_model
 
+logger = logging.getLogger(__name__)
+
 VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+VLLM_TORCH_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM before --profiler-config; 0.33 does not read it
 
 # Not flags: `rlserve serve` takes the model as a positional argument, `rlserve generate` as an optional one; the
 # front end sets each core's data-parallel rank itself.
@@ -152,6 +156,61 @@ def dash_underscored_flags(argv: Sequence[str], known: Collection[str]) -> list[
     return out
 
 
+def dotted_json_flags(argv: Sequence[str], json_flags: Collection[str]) -> list[str]:
+    """vLLM's dotted spelling of a JSON-valued flag's keys (`--profiler-config.profiler=torch`,
+    `--profiler-config.torch_profiler_dir DIR`), gathered into one `--profiler-config JSON` at the end, merged over
+    that flag's whole JSON if it is given too (a dotted key wins). Values are JSON where they parse (`true`, `3`),
+    else strings, as vLLM reads them. Arguments after `--` are values, left alone."""
+    out: list[str] = []
+    rest: list[str] = []  # from `--` on
+    dotted: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest = list(argv[i:])
+            break
+        flag, eq, value = arg.partition("=")
+        name, dot, key = flag.partition(".")
+        name = name.replace("_", "-")
+        if not (arg.startswith("--") and dot and key and name in json_flags) or (not eq and i + 1 == len(argv)):
+            out.append(arg)
+            i += 1
+            continue
+        if not eq:
+            value = argv[i + 1]
+            i += 1
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        dotted.setdefault(name, {})[key] = parsed
+        i += 1
+    for name, keys in dotted.items():
+        whole: dict[str, Any] = {}
+        kept: list[str] = []
+        j = 0
+        while j < len(out):
+            flag, eq, value = out[j].partition("=")
+            if flag == name and (eq or j + 1 < len(out)):
+                if not eq:
+                    value = out[j + 1]
+                    j += 1
+                try:
+                    parsed = json.loads(value)
+                except json.JSONDecodeError:
+                    parsed = None
+                if not isinstance(parsed, dict):  # left for the flag's own parser to report
+                    kept += [name, value]
+                else:
+                    whole.update(parsed)
+            else:
+                kept.append(out[j])
+            j += 1
+        out = [*kept, name, json.dumps(whole | keys)]
+    return out + rest
+
+
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default, unless the help already says it or the option is a switch (off
     unless given); descriptions keep the line breaks of the docstrings they come from."""
@@ -177,6 +236,8 @@ class FlagParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         argv = dash_underscored_flags(sys.argv[1:] if args is None else args, self._option_string_actions)
+        json_flags = [flag for flag, action in self._option_string_actions.items() if action.metavar == "JSON"]
+        argv = dotted_json_flags(argv, json_flags)
         parsed, extras = super().parse_known_args(argv, namespace)
         for check in self.checks:
             try:
@@ -193,12 +254,22 @@ def _without_none(hint: Any) -> Any:
     return hint
 
 
+def config_from_dict(cls: type, value: dict[str, Any]) -> Any:
+    """A dataclass-valued option from its JSON object: the class's own `from_dict` where it has one (it names keys
+    it lacks), else its constructor."""
+    from_dict = getattr(cls, "from_dict", None)
+    return from_dict(value) if from_dict is not None else cls(**value)
+
+
 def _json_parser(cls: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = json.loads(text)
         if not isinstance(value, dict):
             raise ValueError(f"expected a JSON object, got {text!r}")
-        return cls(**value)
+        try:
+            return config_from_dict(cls, value)
+        except ValueError as e:  # argparse shows the message of this kind only
+            raise argparse.ArgumentTypeError(str(e)) from e
 
     parse.__name__ = f"JSON {cls.__name__}"  # argparse names the type in its error message
     return parse
@@ -242,6 +313,17 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     wt = kwargs.get("weight_transfer_config")
     if isinstance(wt, dict):
         kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
+    profiler = kwargs.get("profiler_config")
+    if isinstance(profiler, dict):
+        kwargs["profiler_config"] = ProfilerConfig.from_dict(profiler)
+    if "profiler_config" not in kwargs and os.environ.get(VLLM_TORCH_PROFILER_DIR_ENV):
+        # vLLM 0.33 no longer reads it either (it warns of an unknown variable): a script that sets it would otherwise
+        # find its start_profile refused with no hint why.
+        logger.warning(
+            "%s is set but not read (vLLM replaced it with --profiler-config); profiling is off unless the engine "
+            "gets profiler_config={'profiler': 'torch', 'torch_profiler_dir': DIR}",
+            VLLM_TORCH_PROFILER_DIR_ENV,
+        )
     # vLLM turns batch invariance on by environment; scripts written for it set this before building the engine.
     if "batch_invariant" not in kwargs and os.environ.get(VLLM_BATCH_INVARIANT_ENV) == "1":
         kwargs["batch_invariant"] = True

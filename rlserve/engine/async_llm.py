@@ -31,6 +31,7 @@ from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
 from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.profiler import require_profiling
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 # How long pause waits for the streams it ended to be read by their consumers (a consumer that went away must not
 # hold pause forever).
 STREAM_DRAIN_TIMEOUT_S = 5.0
+DRAIN_POLL_S = 0.1  # how often wait_for_requests_to_drain asks the core
 
 
 @dataclass
@@ -441,6 +443,46 @@ class AsyncLLM(EngineFrontEnd):
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         await self._call("reset_prefix_cache", reset_running_requests)
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: return once no request runs or waits in the engine (every data-parallel rank; requests of every
+        front end of a shared core, and those a keep-pause froze, count), else raise TimeoutError after
+        `drain_timeout` seconds. It drains nothing itself: new requests are still admitted (pause_generation with
+        mode "wait" stops admitting and waits). Polls the core every DRAIN_POLL_S (vLLM: every second); the poll
+        waits only as long as the timeout leaves, so a core busy with a long control call cannot hold it longer."""
+        deadline = time.monotonic() + drain_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                stats = await asyncio.wait_for(self._call("stats"), max(remaining, DRAIN_POLL_S))
+            except TimeoutError:
+                stats = None
+            if stats is not None and stats["num_running"] + stats["num_waiting"] == 0:
+                logger.info("the engine is idle: its requests have drained")
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"Timeout reached after {drain_timeout} seconds waiting for requests to drain.")
+            await asyncio.sleep(min(DRAIN_POLL_S, remaining))
+
+    # ---- profiling (see LLM.start_profile) ----
+
+    async def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+        profiler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """vLLM's; see LLM.start_profile. The session lives in the engine core, so it is one for every front end
+        of the core (an API server may stop what another started)."""
+        args = self.profile_args(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        await self._call("start_profile", *args)
+
+    async def stop_profile(self) -> None:
+        require_profiling(self.config)
+        await self._call("stop_profile")
 
     async def check_health(self) -> None:
         """vLLM's: raise EngineDeadError if the engine core is gone (its process died, or a step failed)."""

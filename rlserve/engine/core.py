@@ -6,6 +6,7 @@ so a weight update can never race a forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -20,6 +21,15 @@ from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.lora_manager import LoRAManager
 from rlserve.engine.messages import ENGINE_RPC_METHODS, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.profiler import (
+    ALREADY_ACTIVE,
+    ProfileSession,
+    TraceProfiler,
+    check_session,
+    profiling_enabled,
+    require_profiling,
+    trace_name,
+)
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.worker.extension import call as call_worker
@@ -105,6 +115,9 @@ class EngineCore:
         self.num_steps = 0
         self.num_dummy_steps = 0
         self._now = 0.0  # time.monotonic() of the step (or abort) whose outputs are being made
+        # start_profile/stop_profile (profiler.py): this process's profiler, and the session between the two calls
+        self.profiler = TraceProfiler(config.profiler_config, self.runner.device) if profiling_enabled(config) else None
+        self.profile_session: ProfileSession | None = None
 
     # ---- requests ----
 
@@ -192,6 +205,12 @@ class EngineCore:
         return schedulable or self._in_flight is not None or bool(self._pending_outputs)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.profile_session is None:
+            return self._step()
+        with self._profiled_step():
+            return self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         """Read back one step's results. With async scheduling the next step is scheduled and launched first, so
         the host work of step N+1 (scheduling, input preparation) and of step N (stop checks, outputs) overlaps the
         device work of step N+1; requests that step N finishes have one wasted token computed in step N+1."""
@@ -201,7 +220,7 @@ class EngineCore:
             self._in_flight = None
             if current is None:
                 if self.config.enable_expert_parallel:  # the peers' forwards need this rank's (expert_parallel.py)
-                    self.dummy_step()
+                    self._dummy_step()
                 return outputs
             if self.config.async_scheduling:
                 self._in_flight = self._launch(current)
@@ -214,6 +233,13 @@ class EngineCore:
     def dummy_step(self) -> None:
         """A step without requests (data-parallel lockstep: this rank has none, a peer has some). Skipped while the
         weights or the KV cache are released (asleep): there is nothing to run it on."""
+        if self.profile_session is None:
+            self._dummy_step()
+            return
+        with self._profiled_step():
+            self._dummy_step()
+
+    def _dummy_step(self) -> None:
         if self.runner.weights_resident and self.runner.kv_cache_resident:
             self.runner.execute_dummy_batch()
         self.num_dummy_steps += 1
@@ -720,7 +746,89 @@ class EngineCore:
         # The whole tensors (every rank's part put together): what a trainer, or an engine of another size, has.
         return weight_checksums(self.runner.full_checkpoint_weights())
 
+    # ---- profiling (vLLM's start_profile / stop_profile; see profiler.py) ----
+
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+        profiler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """Open a profiling session; tracing starts now, or after `delay_iterations` steps."""
+        config = require_profiling(self.config)
+        if self.profile_session is not None:
+            raise RuntimeError(ALREADY_ACTIVE)
+        check_session(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        session = ProfileSession(
+            profile_prefix,
+            config.delay_iterations if delay_iterations is None else delay_iterations,
+            config.max_iterations if max_iterations is None else max_iterations,
+            profiler_kwargs,
+        )
+        if session.should_start():
+            self._start_tracing(session)
+        self.profile_session = session
+
+    def stop_profile(self) -> None:
+        """End the session, writing each rank's trace if it is tracing; a no-op (logged) without a session, as in
+        vLLM."""
+        require_profiling(self.config)
+        session, self.profile_session = self.profile_session, None
+        if session is None:
+            logger.warning("stop_profile: no profiling session is active; nothing to stop")
+            return
+        if session.tracing:
+            self._stop_tracing(session)
+        elif not session.done:
+            logger.info("stop_profile: the session ended within its %d delay steps; nothing was traced", session.delay)
+
+    def _start_tracing(self, session: ProfileSession) -> None:
+        """Start this rank's profiler and its tensor-parallel followers'; all or none."""
+        self.profiler.start(trace_name(self.config, 0, session.prefix), session.overrides)
+        try:
+            self.runner.call_followers("start_profile", session.prefix, session.overrides)
+        except BaseException:
+            self.profiler.stop()
+            raise
+        session.tracing = True
+
+    def _stop_tracing(self, session: ProfileSession) -> None:
+        session.tracing = False
+        paths = [self.profiler.stop()]
+        paths += self.runner.call_followers("stop_profile")
+        logger.info("profile traces written: %s", ", ".join(paths))
+
+    @contextlib.contextmanager
+    def _profiled_step(self):
+        """One step of a profiling session: tracing starts before it once the delay has passed, the step is a range of
+        the trace, and tracing stops after it at max_steps (a profiler's failure is logged, never a failed step)."""
+        session = self.profile_session
+        if session.should_start():
+            try:
+                self._start_tracing(session)
+            except Exception:
+                logger.exception("the profiler did not start; this session traces nothing")
+                session.done = True
+        if session.tracing:
+            with self.profiler.step_range(len(self.requests)):
+                yield
+        else:
+            yield
+        if session.stepped():
+            session.done = True
+            try:
+                self._stop_tracing(session)
+            except Exception:
+                logger.exception("writing the profile trace failed")
+
     def shutdown(self) -> None:
+        session, self.profile_session = self.profile_session, None
+        if session is not None and session.tracing:  # the trace so far is written, as vLLM's worker shutdown does
+            try:
+                self._stop_tracing(session)
+            except Exception:
+                logger.exception("writing the profile trace at shutdown failed")
         self._close_weight_transfer()
         self.runner.shutdown()
 

@@ -444,6 +444,8 @@ _UTILITY_METHODS: dict[str, Callable] = {
             "add_lora",
             "remove_lora",
             "list_loras",
+            "start_profile",
+            "stop_profile",
         )
     },
     "pause": EngineCoreService.pause,

@@ -22,6 +22,7 @@ from rlserve.engine.core_client import (
 from rlserve.engine.limits import EngineLimits
 from rlserve.engine.messages import AddRequest
 from rlserve.engine.output_processor import OutputProcessor
+from rlserve.engine.profiler import check_session, require_profiling
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
@@ -205,6 +206,19 @@ class EngineFrontEnd:
         """vLLM's: the workers of one data-parallel rank (TP x PP, PP being 1 here), times the ranks with
         `include_dp`: what a trainer sizes its weight-transfer group by (world_size = trainer ranks + this)."""
         return self.config.tensor_parallel_size * (self.config.data_parallel_size if include_dp else 1)
+
+    def profile_args(
+        self,
+        profile_prefix: str | None,
+        delay_iterations: int | None,
+        max_iterations: int | None,
+        profiler_kwargs: dict[str, Any] | None,
+    ) -> list[Any]:
+        """start_profile's arguments for the core, checked here first (the core checks them again): vLLM's
+        RuntimeError when profiling is not configured, a ValueError naming a bad argument."""
+        require_profiling(self.config)
+        check_session(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        return [profile_prefix, delay_iterations, max_iterations, profiler_kwargs]
 
     @staticmethod
     def no_draft_model() -> RuntimeError:
@@ -437,6 +451,30 @@ class LLM(EngineFrontEnd):
 
     def reset_prefix_cache(self) -> None:
         self.client.call("reset_prefix_cache")
+
+    # ---- profiling, vLLM's names (rlserve.engine.profiler) ----
+
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+        profiler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """vLLM's: trace every engine-core process (each data-parallel and tensor-parallel rank) with torch.profiler
+        until `stop_profile`, one Chrome trace per rank in profiler_config's torch_profiler_dir, named
+        `[<profile_prefix>_]dp<D>_pp0_tp<T>_...`. `delay_iterations` steps pass before tracing starts and it stops by
+        itself after `max_iterations` (defaults: profiler_config's); `profiler_kwargs` overrides torch.profiler's
+        switches (record_shapes, profile_memory, with_stack, with_flops, with_modules). RuntimeError when the engine
+        has no profiler_config or a session is already active."""
+        args = self.profile_args(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        self.client.call("start_profile", *args)
+
+    def stop_profile(self) -> None:
+        """vLLM's: end the session and write the traces (a no-op, logged by the core, when none is active)."""
+        require_profiling(self.config)
+        self.client.call("stop_profile")
 
     def stats(self) -> dict[str, Any]:
         return self.client.call("stats")

@@ -1,4 +1,5 @@
-"""vLLM's RL control routes (paths and bodies of its dev-mode RLHF router), behind the server's API key.
+"""vLLM's RL control routes (paths and bodies of its dev-mode RLHF router), and its profiling routes, behind the
+server's API key.
 
 Unlike vLLM, which serves them unauthenticated in dev mode, every route here depends on `auth`: these routes pause
 generation and overwrite the model. Errors: a ValueError (bad input) is a 400 naming the field, a RuntimeError (a call
@@ -19,10 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapp
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
+from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -76,6 +79,15 @@ class AbortRequestsRequest(OpenAIBaseModel):
 
 class ChecksumsBody(OpenAIBaseModel):
     checksums: dict[str, str]
+
+
+class StartProfileRequest(OpenAIBaseModel):
+    """vLLM 0.33's optional overrides of one profiling session (see LLM.start_profile)."""
+
+    profile_prefix: StrictStr | None = None
+    delay_iterations: StrictInt | None = Field(default=None, ge=0)
+    max_iterations: StrictInt | None = Field(default=None, ge=0)
+    profiler_kwargs: dict[str, StrictBool] | None = None
 
 
 class WeightCheckerRequest(OpenAIBaseModel):
@@ -328,6 +340,7 @@ def build_rl_router(
         return {"match": compared["match"], "mismatches": mismatches}
 
     _add_recovery_routes(router, engine)
+    _add_profile_routes(router, engine)
     return router
 
 
@@ -353,6 +366,33 @@ def _add_recovery_routes(router: APIRouter, engine: AsyncLLM) -> None:
         ones back), "incomplete" (generation is refused until a full update) or "unchanged" (none was written)."""
         outcome = await _engine_call(engine.abandon_weight_update())
         return {"message": "Weight update abandoned", "weights": outcome}
+
+
+def _add_profile_routes(router: APIRouter, engine: AsyncLLM) -> None:
+    """vLLM 0.33's `POST /start_profile` and `POST /stop_profile` (an empty 200, as vLLM answers), under the router's
+    key. vLLM serves them whenever --profiler-config is set, without authentication (its --api-key guards /v1 only);
+    here they are control routes like the rest of this router: a session slows every step and writes files on the
+    server's disk, which no caller without the key may do. Without --profiler-config they answer 404, as vLLM does
+    (it serves no such route), with the flag to set; starting while a session is active is vLLM's 409, stopping
+    without one is a no-op (vLLM's too). An unknown body field is a 400, as on every route here (vLLM ignores it)."""
+    fields = ("profile_prefix", "delay_iterations", "max_iterations", "profiler_kwargs")
+
+    def require_profiler() -> None:
+        if not profiling_enabled(engine.config):
+            raise APIError(404, f"/start_profile, /stop_profile: {NOT_ENABLED}")
+
+    @router.post("/start_profile")
+    async def start_profile(body: StartProfileRequest | None = None) -> Response:
+        require_profiler()
+        overrides = {} if body is None else body.model_dump(exclude_none=True)
+        await _engine_call(engine.start_profile(**overrides), fields=fields)
+        return Response(status_code=200)
+
+    @router.post("/stop_profile")
+    async def stop_profile() -> Response:
+        require_profiler()
+        await _engine_call(engine.stop_profile())
+        return Response(status_code=200)
 
 
 def _jsonable(value: Any) -> Any:

@@ -145,6 +145,17 @@ def _check_rl_api_auth(args: argparse.Namespace) -> None:
         )
 
 
+def _check_profiler_routes(args: argparse.Namespace) -> None:
+    """--profiler-config serves vLLM's /start_profile and /stop_profile, which are control routes here (rl_routes.py
+    says why): without the RL API nothing could start a profile, so the flag alone is refused rather than ignored."""
+    profiler = getattr(args, "profiler_config", None)  # engine flags not given are absent from the namespace
+    if profiler is not None and profiler.enabled and not args.enable_rl_api:
+        raise ValueError(
+            "--profiler-config: /start_profile and /stop_profile are served with the RL routes and their key; add "
+            f"--enable-rl-api --api-key KEY (or {DEV_MODE_ENV}=1, vLLM's dev mode, to serve them without one)"
+        )
+
+
 def _check_tool_calls(args: argparse.Namespace) -> None:
     """vLLM's pair: --enable-auto-tool-choice needs a --tool-call-parser; a parser alone would parse nothing."""
     parser = args.tool_call_parser
@@ -217,6 +228,7 @@ SERVE_CHECKS = (
     _check_model,
     _check_quantization,
     _check_rl_api_auth,
+    _check_profiler_routes,
     _check_tool_calls,
     _check_defaults,
     _check_lora,

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import re
 import typing
 from typing import Any
 
 import pytest
 
 from rlserve.cli import build_parser
-from rlserve.config import EngineConfig, WeightTransferConfig
+from rlserve.config import EngineConfig, ProfilerConfig, WeightTransferConfig
 from rlserve.engine import args as args_module
 from rlserve.engine.args import (
     FLAG_ALIASES,
@@ -53,6 +55,7 @@ def other_value(f: dataclasses.Field) -> Any:
         float: 0.5,
         str: "pkg.mod:Cls",
         WeightTransferConfig: WeightTransferConfig("ipc"),
+        ProfilerConfig: ProfilerConfig("torch", "/tmp/rlserve-traces", torch_profiler_with_stack=False),
     }
     return samples[value_type]
 
@@ -139,6 +142,40 @@ def test_weight_transfer_config_takes_json() -> None:
             parse("--weight-transfer-config", bad)
 
 
+def test_profiler_config_takes_vllms_json_and_dotted_keys(tmp_path, monkeypatch, caplog) -> None:
+    expected = ProfilerConfig("torch", str(tmp_path), torch_profiler_with_stack=False, max_iterations=4)
+    flags = ["--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": str(tmp_path)})]
+    assert parse(*flags[:1], json.dumps(dataclasses.asdict(expected))) == {"profiler_config": expected}
+    # vLLM's dotted form (its error message suggests it), alone or over the JSON; values read as JSON where they parse
+    monkeypatch.chdir(tmp_path)
+    dotted = ["--profiler-config.profiler=torch", "--profiler_config.torch_profiler_dir", "."]
+    dotted += ["--profiler-config.torch_profiler_with_stack=false", "--profiler-config.max_iterations", "4"]
+    for argv in (dotted, [*flags, *dotted[3:]]):
+        assert engine_kwargs(build_parser().parse_args(["generate", *argv])) == {"profiler_config": expected}
+    assert ProfilerConfig("torch", "traces").torch_profiler_dir == str(tmp_path / "traces")  # made absolute
+    refusals = {
+        '{"profiler": "cuda"}': "profiler_config.profiler: 'cuda' is not supported: cudaProfilerStart",
+        '{"profiler": "torch"}': "torch_profiler_dir: must be set when profiler is 'torch'",
+        '{"torch_profiler_dir": "/t"}': "torch_profiler_dir: only applicable when profiler is 'torch'",
+        '{"profiler": "torch", "torch_profiler_dir": "gs://b/t"}': "torch_profiler_dir: a local directory",
+        '{"profiler": "torch", "torch_profiler_dir": "/t", "warmup_iterations": 2}': "warmup_iterations: not supp",
+        '{"profiler": "torch", "torch_profiler_dir": "/t", "ignore_frontend": false}': "ignore_frontend: only true",
+        '{"profiler": "torch", "torch_profiler_dir": "/t", "no_such": 1}': "no_such: unknown key",
+        '{"profiler": "torch", "torch_profiler_dir": "/t", "max_iterations": -1}': "max_iterations: must be an int",
+        '{"profiler": "torch", "torch_profiler_dir": "/t", "torch_profiler_activities": ["XPU"]}': "activities",
+        '{"profiler": "torch", "torch_profiler_dir": "/t", "torch_profiler_activities": ["CUDA"]}': "CUDA needs",
+    }
+    for text, message in refusals.items():
+        with pytest.raises((argparse.ArgumentError, ValueError), match=re.escape(message)):
+            make_engine_config("model-dir", **parse("--profiler-config", text))
+    assert ProfilerConfig.from_dict({"profiler": "torch", "torch_profiler_dir": "/t", "ignore_frontend": True})
+    # vLLM dropped the old variable; a script that still sets it is told so instead of finding profiling off
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    with caplog.at_level("WARNING", logger="rlserve.engine.args"):
+        assert make_engine_config("model-dir").profiler_config is None
+    assert "VLLM_TORCH_PROFILER_DIR is set but not read" in caplog.text
+
+
 def test_choices_come_from_the_field() -> None:
     with pytest.raises(argparse.ArgumentError, match="invalid choice"):
         parse("--attention-backend", "cudnn")
@@ -146,7 +183,8 @@ def test_choices_come_from_the_field() -> None:
         EngineConfig(model="m", attention_backend="cudnn")
 
 
-@pytest.mark.parametrize("command", [["generate"], ["serve", "model-dir"]])
+# serve's --profiler-config serves control routes, which need the RL API
+@pytest.mark.parametrize("command", [["generate"], ["serve", "model-dir", "--enable-rl-api", "--api-key", "k"]])
 def test_generate_and_serve_take_every_engine_flag(command: list[str]) -> None:
     kwargs = {f.name: other_value(f) for f in engine_fields()}
     args = build_parser().parse_args([*command, *engine_flags(**kwargs)])

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +16,7 @@ from safetensors.torch import load_file
 from rlserve import LLM, RequestOutput, SamplingParams
 from rlserve.config import WeightTransferConfig
 from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.profiler import STEP_RANGE
 from rlserve.model.layers import ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from rlserve.model.parallel import TensorParallelGroup
 from rlserve.weight_transfer import (
@@ -64,11 +67,17 @@ def reference(model_dirs, make_llm) -> Iterator[Callable[[str], list[RequestOutp
 
 
 @pytest.fixture(scope="module")
-def tp2(model_dirs, make_llm) -> Iterator[_Engines]:
+def tp2(model_dirs, make_llm, tmp_path_factory) -> Iterator[_Engines]:
     def make(name: str) -> LLM:
         extra = {}
-        if name == "qwen3":  # the one the weight-update tests use
+        if name == "qwen3":  # the one the weight-update and profiling tests use
             extra = dict(weight_transfer_config=WeightTransferConfig(backend="nccl"), worker_extension_cls=EXTENSION)
+            traces = tmp_path_factory.mktemp("tp-traces")
+            extra["profiler_config"] = {
+                "profiler": "torch",
+                "torch_profiler_dir": str(traces),
+                "torch_profiler_use_gzip": False,
+            }
         if name == "qwen2":  # the fp32 LM head (a copy of each rank's part) is gathered like the other
             extra = dict(lm_head_dtype="float32")
         return make_llm(model_dirs[name], tensor_parallel_size=2, dtype="float32", **extra)
@@ -186,6 +195,25 @@ def test_weight_updates_reach_every_rank_or_none(tp2, reference, model_dirs, qwe
     llm.sleep(level=1)
     llm.wake_up()
     assert_same_outputs(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference("qwen3"))
+
+
+def test_profiling_traces_every_rank_for_the_steps_asked(tp2) -> None:
+    """LLM.start_profile reaches the follower rank's process too: one trace per rank, named by rank; the session
+    skips delay_iterations steps and traces max_iterations of them."""
+    llm = tp2["qwen3"]
+    traces = Path(llm.config.profiler_config.torch_profiler_dir)
+    with pytest.raises(ValueError, match="^profile_prefix must be 1-128 ASCII characters"):
+        llm.start_profile("../elsewhere")
+    llm.start_profile("tp", delay_iterations=1, max_iterations=2)
+    llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)  # 8 steps
+    llm.stop_profile()
+    names = sorted(p.name for p in traces.iterdir())
+    assert [n.split(".")[0] for n in names] == [f"tp_dp0_pp0_tp{r}_dcp0_ep{r}_rank{r}" for r in (0, 1)]
+    rank0, rank1 = (json.loads((traces / n).read_text())["traceEvents"] for n in names)
+    steps = [e for e in rank0 if e.get("name", "").startswith(STEP_RANGE)]
+    assert len(steps) == 2 and {e["pid"] for e in steps} == {llm.client.process.pid}
+    follower_pids = {e["pid"] for e in rank1 if isinstance(e.get("pid"), int) and e.get("ph") == "X"}
+    assert len(follower_pids) == 1 and follower_pids.isdisjoint({llm.client.process.pid, os.getpid()})
 
 
 def test_tensor_parallel_within_data_parallel_batch_invariant(model_dirs, make_llm, reference) -> None:

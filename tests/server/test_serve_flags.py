@@ -271,6 +271,16 @@ def test_vllm_dev_mode_serves_the_rl_routes_without_a_key(monkeypatch: pytest.Mo
     assert parse("m", "--rl-api-auth", "key", "--api-key", "k").host == "0.0.0.0"
 
 
+def test_profiler_config_needs_the_rl_routes(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # /start_profile and /stop_profile are control routes: the flag alone would serve nothing that could use it
+    profiler = ["--profiler-config.profiler=torch", "--profiler-config.torch_profiler_dir=/tmp/t"]
+    assert "add --enable-rl-api --api-key KEY" in refused(capsys, "m", *profiler)
+    assert parse("m", *profiler, "--enable-rl-api", "--api-key", "k").profiler_config.enabled
+    assert parse("m", "--profiler-config", '{"profiler": null}').profiler_config.enabled is False  # vLLM's off
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    assert parse("m", *profiler).rl_api_auth == "none"  # vLLM's dev mode: the RL routes, keyless
+
+
 @pytest.mark.parametrize(
     ("host", "loopback"),
     [

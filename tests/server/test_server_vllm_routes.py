@@ -1,9 +1,11 @@
 """vLLM's routes that RL frameworks call, replayed against a real server: prime-rl's rollouts (`/inference/v1/generate`
 with `cache_salt` and `X-Session-ID`) and its checkpoint-directory update, SkyRL's tokenize/detokenize/render, vLLM's
-`/update_weights` with a list, and the facts routes. One server for the module (an engine start costs seconds)."""
+`/update_weights` with a list, the facts routes, and the profiling routes. One server for the module (an engine start
+costs seconds)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from conftest import _serve
 from safetensors.torch import load_file
 from server_helpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Server
 
+from rlserve.engine.profiler import STEP_RANGE
 from rlserve.rl.client import RLServeClient
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
@@ -27,13 +30,19 @@ def allowed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("server-traces")
+
+
+@pytest.fixture(scope="module")
 def routes_server(
-    server_model_dir: Path, allowed_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    server_model_dir: Path, allowed_dir: Path, profile_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("server-logs") / "vllm-routes.log"
-    yield from _serve(
-        server_model_dir, log, "--enable-rl-api", "--allowed-weight-dirs", str(allowed_dir), api_key=API_KEY
-    )
+    args = ["--enable-rl-api", "--allowed-weight-dirs", str(allowed_dir)]
+    # vLLM's dotted spelling of --profiler-config's keys
+    args += ["--profiler-config.profiler", "torch", f"--profiler-config.torch_profiler_dir={profile_dir}"]
+    yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
 
 
 @pytest.fixture
@@ -177,6 +186,38 @@ def test_rl_route_shapes(http: httpx.Client) -> None:
     assert response.status_code == 409 and response.json()["error"]["param"] == "update_info"
     assert_error(http.post("/update_weights", json={"update_info": [info, 3]}), 400, "update_info")
     assert_error(http.post("/update_weights", json={"update_info": []}), 400, "update_info")
+
+
+def test_profile_routes_as_vllms_behind_the_rl_key(
+    routes_server: Server, http: httpx.Client, profile_dir: Path, server: Server
+) -> None:
+    """vLLM's POST /start_profile and /stop_profile (an empty 200), behind the RL routes' key: a trace of the engine
+    core's process; starting twice is vLLM's 409, stopping with no session a no-op; a server without
+    --profiler-config answers 404 naming it."""
+    assert httpx.post(routes_server.url + "/start_profile").status_code == 401
+    assert_error(http.post("/start_profile", json={"profile_prefix": "../up"}), 400, "profile_prefix")
+    assert_error(http.post("/start_profile", json={"max_iterations": -1}), 400, "max_iterations")
+    assert_error(http.post("/start_profile", json={"profiler_kwargs": {"activities": True}}), 400, "profiler_kwargs")
+    assert http.post("/stop_profile").status_code == 200  # no session: nothing to stop
+    started = http.post("/start_profile", json={"profile_prefix": "http", "profiler_kwargs": {"with_stack": False}})
+    assert (started.status_code, started.content) == (200, b"")
+    try:
+        again = http.post("/start_profile")
+        assert again.status_code == 409 and "already active" in again.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "1+1=", **GREEDY}).status_code == 200
+    finally:
+        stopped = http.post("/stop_profile")
+    assert (stopped.status_code, stopped.content) == (200, b"")
+    (trace,) = profile_dir.iterdir()
+    assert trace.name.startswith("http_dp0_pp0_tp0_dcp0_ep0_rank0.") and trace.name.endswith(".pt.trace.json.gz")
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith(STEP_RANGE) for e in events)
+
+    with server.client() as unconfigured:  # RL routes on, no --profiler-config
+        for route in ("/start_profile", "/stop_profile"):
+            response = unconfigured.post(route)
+            assert response.status_code == 404 and "--profiler-config" in response.json()["error"]["message"]
 
 
 def test_prime_rl_checkpoint_directory_update(

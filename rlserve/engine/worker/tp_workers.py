@@ -31,6 +31,7 @@ from torch.distributed import TCPStore
 
 from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.engine.dp_lockstep import COLLECTIVE_TIMEOUT
+from rlserve.engine.profiler import TraceProfiler, profiling_enabled, trace_name
 from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import ModelRunner
@@ -108,7 +109,12 @@ class _Follower:
 
     def __init__(self, startup: FollowerStartup, runner: ModelRunner) -> None:
         self.rank = startup.rank
+        self.config = startup.config
         self.runner = runner
+        # start_profile/stop_profile reach this rank too: a trace of its own process (profiler.py)
+        self.profiler = None
+        if profiling_enabled(self.config):
+            self.profiler = TraceProfiler(self.config.profiler_config, runner.device)
         self.worker = make_worker(runner, startup.config.worker_extension_cls)
         self.worker.rank = self.worker.local_rank = startup.rank
         self.snapshot: dict[str, torch.Tensor] | None = None
@@ -208,7 +214,20 @@ class _Follower:
             self.transfer.shutdown()
         self.transfer, self._transfer_error = None, None
 
+    def start_profile(self, prefix: str | None, overrides: dict[str, Any] | None) -> None:
+        self.profiler.start(trace_name(self.config, self.rank, prefix), overrides)
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
+
+    def stop_tracing(self) -> None:
+        """At the end of the process: the trace so far is written, as rank 0 writes its own."""
+        if self.profiler is not None and self.profiler.running:
+            logger.info("profile trace written: %s", self.profiler.stop())
+
     calls = {
+        "start_profile": start_profile,
+        "stop_profile": stop_profile,
         "release_kv_cache": lambda self: self.runner.release_kv_cache(),
         "execute_dummy_batch": lambda self: self.runner.execute_dummy_batch(),
         "release_weights": lambda self, keep: self.runner.release_weights(keep),
@@ -369,6 +388,7 @@ def main(fd: int) -> int:
     try:
         follower.serve(conn)
     finally:
+        follower.stop_tracing()
         follower.close_weight_transfer()
         tp.shutdown()
     return 0
