@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -248,4 +249,40 @@ def merge_lora(path: str | Path, model_dir: str | Path, lora_dir: str | Path) ->
     for file in model_dir.iterdir():
         if file.is_file() and not file.name.endswith((".safetensors", ".safetensors.index.json")):
             shutil.copy(file, path / file.name)
+    return path
+
+
+def make_scripted_model_dir(path: str | Path, script: Sequence[str], added_tokens: Sequence[str] = ()) -> Path:
+    """A model that writes a script: after a prompt whose last token is the script's first, it generates the rest
+    of the script and then its EOS, greedily or sampled (the margins are vast). Each of its layers adds nothing to
+    the residual stream, so the next token is a function of the last token alone: the script's tokens must be
+    distinct, at most the hidden size (64) of them. `script` is a list of tokens: single characters (the byte-level
+    tokenizer's) or `added_tokens`, which extend the tokenizer as non-special tokens (as Qwen's `<think>` is), for
+    scripts with a token that repeats a character or many characters in one token."""
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(list(added_tokens))
+    ids = []
+    for token in script:
+        encoded = tokenizer.encode(token, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"script token {token!r} is {len(encoded)} tokens: a character or an added token")
+        ids += encoded
+    ids.append(tokenizer.eos_token_id)
+    hidden = PRESETS["tiny"]["hidden_size"]
+    if len(set(ids)) != len(ids) or len(ids) > hidden:
+        raise ValueError(f"a script is at most {hidden - 1} distinct tokens")
+    make_model_dir(path, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(path)
+    weights_file = path / "model.safetensors"
+    weights = load_file(str(weights_file))
+    embed, head = torch.zeros_like(weights["model.embed_tokens.weight"]), torch.zeros_like(weights["lm_head.weight"])
+    for k, (token, successor) in enumerate(zip(ids[:-1], ids[1:], strict=True)):
+        embed[token, k] = 1.0  # each script token is a direction of its own; the final norm scales it to sqrt(64)
+        head[successor, k] = 10.0  # its successor's logit: 80, every other token's 0
+    weights["model.embed_tokens.weight"], weights["lm_head.weight"] = embed, head
+    for name, weight in weights.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            weights[name] = torch.zeros_like(weight)
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
     return path

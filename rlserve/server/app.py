@@ -62,6 +62,7 @@ from rlserve.server.protocol import (
     ModelList,
     PromptTokensDetails,
     TokenFormatter,
+    ToolCall,
     UsageInfo,
     _GenerationRequest,
     chat_logprobs,
@@ -71,8 +72,9 @@ from rlserve.server.protocol import (
     routed_experts_field,
     weight_version_spans,
 )
+from rlserve.server.reasoning_parsers import Reasoned, ReasoningParser, ReasoningStream, reasoning_parser
 from rlserve.server.rl_routes import build_rl_router
-from rlserve.server.tool_parsers import ParsedOutput, StreamingToolCalls, parse_hermes
+from rlserve.server.tool_parsers import StreamingToolCalls, parse_hermes
 from rlserve.server.vllm_routes import build_vllm_router
 
 logger = logging.getLogger(__name__)
@@ -140,9 +142,9 @@ class _Usage:
         )
 
 
-def _finish_reason(engine_reason: str | None, parsed: ParsedOutput) -> str | None:
+def _finish_reason(engine_reason: str | None, tool_calls: Sequence[ToolCall]) -> str | None:
     """vLLM's: "tool_calls" when the model stopped by itself after calling tools (a length cut stays visible)."""
-    return "tool_calls" if parsed.tool_calls and engine_reason == "stop" else engine_reason
+    return "tool_calls" if tool_calls and engine_reason == "stop" else engine_reason
 
 
 class _WeightVersions:
@@ -484,7 +486,7 @@ class OpenAIServing:
                 continue_final_message=req.continue_final_message,
                 tools=None if req.tools is None else [t.model_dump(exclude_none=True) for t in req.tools],
                 documents=req.documents,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=req.template_kwargs(),
             )
         except ValueError as e:
             raise APIError.from_value_error(e, {"messages", "chat_template_kwargs"}, "messages") from e
@@ -505,6 +507,15 @@ class OpenAIServing:
             )
         return True
 
+    def _reasoning_parser(self, req: ChatCompletionRequest, prompt: ValidatedPrompt) -> ReasoningParser | None:
+        """The request's --reasoning-parser, which reads its chat template kwargs and whether its prompt has closed
+        the thinking already; None without the flag. Blocking (it may decode the prompt): call it off the loop."""
+        name = self.defaults.reasoning_parser
+        if name is None:
+            return None
+        text = prompt.text if prompt.text is not None else self.engine.tokenizer.decode(prompt.token_ids)
+        return reasoning_parser(name, req.template_kwargs(), text)
+
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         lora = self._check_model(req.model)
         model = self.model_name if lora is None else lora.lora_name
@@ -516,21 +527,34 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
         parse_tools = self._parses_tool_calls(req)
-        if parse_tools and "skip_special_tokens" not in req.model_fields_set:
-            # vLLM's: a model's tool-call tags may be special tokens, which the parser must see.
+        name = self.defaults.reasoning_parser
+        if (parse_tools or name == "qwen3") and "skip_special_tokens" not in req.model_fields_set:
+            # vLLM's: a model's tool-call (or thinking) tags may be special tokens, which the parser must see.
             params = dataclasses.replace(params, skip_special_tokens=False)
-        prompts = await self.off_loop(lambda: self._validate([self._chat_prompt(req)], params, rename, lora))
+
+        def prepare() -> tuple[list[ValidatedPrompt], ReasoningParser | None]:
+            validated = self._validate([self._chat_prompt(req)], params, rename, lora)
+            return validated, self._reasoning_parser(req, validated[0])
+
+        prompts, reasoning = await self.off_loop(prepare)
         self._check_serving()
         response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         weight_versions = _WeightVersions(req)
         echoed = req.echoed()
         top_k = params.logprobs or 0
+        # vLLM's: a reply without its reasoning has no logprobs or token ids either (they would show it), on a
+        # server that parses output.
+        hidden = not req.include_reasoning and (name is not None or self.defaults.enable_auto_tool_choice)
 
         def logprobs(s: CompletionOutput) -> Any:
-            return None if s.logprobs is None else chat_logprobs(s, fmt, top_k)
+            return None if s.logprobs is None or hidden else chat_logprobs(s, fmt, top_k)
+
+        def token_ids(s: CompletionOutput) -> list[int] | None:
+            return s.token_ids if req.return_token_ids and not hidden else None
 
         if req.stream:
+            reasoning_streams: dict[int, ReasoningStream] = {}
             tool_streams: dict[int, StreamingToolCalls] = {}
 
             def chunk(
@@ -540,16 +564,25 @@ class OpenAIServing:
                 first: bool,
                 prompt_lps: PositionLogprobsList | None,
             ) -> BaseModel:
-                delta, finish_reason = DeltaMessage(content=s.text), s.finish_reason
-                if parse_tools:
-                    stream = tool_streams.setdefault(index, StreamingToolCalls())
-                    delta.content = stream.feed(s.text)
-                    if s.finish_reason is not None:
-                        parsed = stream.finish()
-                        delta.content += parsed.content
+                finish_reason, finished = s.finish_reason, s.finish_reason is not None
+                thought, content = "", s.text
+                if reasoning is not None:
+                    thinking = reasoning_streams.setdefault(index, reasoning.stream())
+                    thought, content = thinking.feed(s.text)
+                    if finished:
+                        rest_thought, rest_content = thinking.finish()
+                        thought, content = thought + rest_thought, content + rest_content
+                delta = DeltaMessage(reasoning=thought if thought and req.include_reasoning else None)
+                if parse_tools:  # in the content only: a call while thinking is no call (vLLM's)
+                    tools = tool_streams.setdefault(index, StreamingToolCalls())
+                    content = tools.feed(content)
+                    if finished:
+                        parsed = tools.finish()
+                        content += parsed.content
                         calls = [DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(parsed.tool_calls)]
                         delta.tool_calls = calls or None
-                        finish_reason = _finish_reason(s.finish_reason, parsed)
+                        finish_reason = _finish_reason(s.finish_reason, parsed.tool_calls)
+                delta.content = content if content or delta.reasoning is None else None
                 choice = ChatCompletionStreamChoice(
                     index=index,
                     delta=delta,
@@ -558,7 +591,7 @@ class OpenAIServing:
                     stop_reason=s.stop_reason,
                     weight_versions=weight_versions(index, s),
                     routed_experts=routed_experts_field(s),
-                    token_ids=s.token_ids if req.return_token_ids else None,
+                    token_ids=token_ids(s),
                 )
                 # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
                 top_level = prompt_logprobs(prompt_lps, fmt) if index == 0 else None
@@ -589,21 +622,28 @@ class OpenAIServing:
         usage.add(0, out)
         choices = []
         for s in out.outputs:
-            parsed = parse_hermes(s.text) if parse_tools else ParsedOutput(s.text, [])
-            content = echoed + parsed.content
+            reasoned = reasoning.parse(s.text) if reasoning is not None else Reasoned(None, s.text)
+            content, calls = reasoned.content, []
+            if parse_tools:  # in the content only: a call while thinking is no call (vLLM's)
+                parsed = parse_hermes(content or "")
+                if parsed.tool_calls:
+                    # vLLM's: beside tool calls, content that is only whitespace is none.
+                    content, calls = parsed.content if parsed.content.strip() else None, parsed.tool_calls
+            if req.echo:
+                content = echoed + (content or "")
             message = ChatResponseMessage(
-                content=content if content or not parsed.tool_calls else None, tool_calls=parsed.tool_calls
+                content=content, tool_calls=calls, reasoning=reasoned.reasoning if req.include_reasoning else None
             )
             choices.append(
                 ChatCompletionResponseChoice(
                     index=s.index,
                     message=message,
                     logprobs=logprobs(s),
-                    finish_reason=_finish_reason(s.finish_reason, parsed),
+                    finish_reason=_finish_reason(s.finish_reason, calls),
                     stop_reason=s.stop_reason,
                     weight_versions=weight_versions(s.index, s),
                     routed_experts=routed_experts_field(s),
-                    token_ids=s.token_ids if req.return_token_ids else None,
+                    token_ids=token_ids(s),
                 )
             )
         response = ChatCompletionResponse(

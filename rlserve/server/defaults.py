@@ -1,6 +1,7 @@
-"""Server-wide request defaults: what `--generation-config`, `--chat-template`, `--return-tokens-as-token-ids` and
-`--enable-auto-tool-choice` set, applied to every request that does not set the field itself (vLLM's semantics for
-each); and what every request is held to (`--trust-request-chat-template`, `--max-request-body-bytes`)."""
+"""Server-wide request defaults: what `--generation-config`, `--chat-template`, `--return-tokens-as-token-ids`,
+`--enable-auto-tool-choice` and `--reasoning-parser` set, applied to every request that does not set the field itself
+(vLLM's semantics for each); and what every request is held to (`--trust-request-chat-template`,
+`--max-request-body-bytes`)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class ServingDefaults:
     # --enable-auto-tool-choice: chat output is parsed for tool calls (with --tool-call-parser's format, hermes) when a
     # request offers tools with tool_choice "auto".
     enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None  # --reasoning-parser: chat output's thinking as message.reasoning
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default; max_tokens is a bound
     # --trust-request-chat-template: a chat request's `chat_template` replaces the server's (vLLM's flag; off, such a
     # request is refused: the template is code the server runs).

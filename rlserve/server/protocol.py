@@ -136,11 +136,11 @@ class Refused:
 
 _TEXT_ONLY = "rlserve serves text-only models"
 _NO_DISAGG = "rlserve has no disaggregated serving"
-_NO_REASONING = "rlserve has no reasoning parser"
 _NO_GUIDED = "rlserve has no guided (structured) decoding"
 # vLLM 0.33's request fields that rlserve does not implement, on /v1/completions and /v1/chat/completions (a request
-# model that declares one of these names implements it: chat's echo). Sent with an "off" value, a field is accepted;
-# with any other, refused by name with the reason: a client must not get output that silently ignored its request.
+# model that declares one of these names implements it: chat's echo, include_reasoning and reasoning_effort). Sent
+# with an "off" value, a field is accepted; with any other, refused by name with the reason: a client must not get
+# output that silently ignored its request.
 REFUSED_FIELDS: dict[str, Refused] = {
     "echo": Refused("echo on /v1/completions is not implemented (chat's echo is)", (None, False)),
     "user": Refused("rlserve keeps no per-user records (OpenAI's abuse-monitoring id); omit it"),
@@ -164,9 +164,9 @@ REFUSED_FIELDS: dict[str, Refused] = {
     "ec_transfer_params": Refused(_NO_DISAGG),
     "vllm_xargs": Refused("rlserve has no extensions that read request arguments"),
     "repetition_detection": Refused("repetition detection is not implemented"),
-    "thinking_token_budget": Refused(_NO_REASONING, (None, -1)),
-    "reasoning_effort": Refused(_NO_REASONING),
-    "include_reasoning": Refused(_NO_REASONING, (None, True)),
+    "thinking_token_budget": Refused("thinking budgets are not implemented", (None, -1)),
+    "reasoning_effort": Refused("it reaches the chat template: /v1/chat/completions only"),
+    "include_reasoning": Refused("reasoning is parsed on /v1/chat/completions only", (None, True)),
     "parallel_tool_calls": Refused("every tool call the model makes is returned: only true", (None, True)),
     "stream_interval": Refused("rlserve streams every token: only 1", (None, 1)),
 }
@@ -362,6 +362,10 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, sent back in a multi-turn conversation
     tool_call_id: str | None = None  # a tool message's answer to that call
+    # An assistant turn's reasoning, sent back (vLLM's name; `reasoning_content` its older one): templates that
+    # render earlier thinking (Qwen3's) read it.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         """The message's text: text content only."""
@@ -380,6 +384,12 @@ class ChatMessage(OpenAIBaseModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            if self.role != "assistant":
+                raise APIError(400, f"messages: reasoning is for assistant turns, not {self.role!r} ones", "messages")
+            # Under both names, as vLLM passes it: templates read one or the other.
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if self.tool_calls is not None:
             calls = []
             for call in self.tool_calls:
@@ -426,6 +436,12 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # vLLM's: the reply starts with the last message's content, when that message has the reply's role.
     echo: bool = False
+    # vLLM's, with --reasoning-parser: false leaves the reasoning out of the reply (and the logprobs and token ids,
+    # which would show it).
+    include_reasoning: bool = True
+    # vLLM's: passed to the chat template, which also gets enable_thinking (false for "none") unless the request's
+    # chat_template_kwargs set it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -448,6 +464,15 @@ class ChatCompletionRequest(_GenerationRequest):
                 "tool_choice",
             )
         return self
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and what reasoning_effort adds to them (vLLM's
+        rules). The reasoning parser reads enable_thinking from them too."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     @property
     def generation_prompt(self) -> bool:
@@ -593,6 +618,7 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's name; it no longer sends reasoning_content)
 
 
 class ChatCompletionResponseChoice(_ChoiceExtras):
@@ -620,6 +646,7 @@ class DeltaToolCall(ToolCall):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

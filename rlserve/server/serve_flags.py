@@ -26,6 +26,7 @@ from rlserve.server.defaults import (
     load_chat_template,
 )
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
+from rlserve.server.reasoning_parsers import REASONING_PARSERS
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
@@ -54,7 +55,6 @@ _ONE_GPU = "rlserve runs one engine on one device"
 _NOT_YET = "parallelism is not supported yet"
 UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--pipeline-parallel-size", "-pp"), f"{_ONE_GPU}: pipeline {_NOT_YET}", True, "1"),
-    Unsupported(("--reasoning-parser",), "reasoning parsing is not supported yet", True),
 )
 
 # --quantization values rlserve implements, as the engine fields each one sets. Any other is refused by name.
@@ -170,6 +170,13 @@ def _check_tool_calls(args: argparse.Namespace) -> None:
         )
 
 
+def _check_reasoning_parser(args: argparse.Namespace) -> None:
+    parser = args.reasoning_parser
+    if parser is not None and parser not in REASONING_PARSERS:
+        implemented = ", ".join(REASONING_PARSERS)
+        raise ValueError(f"--reasoning-parser {parser}: not implemented (rlserve implements: {implemented})")
+
+
 def _check_defaults(args: argparse.Namespace) -> None:
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
@@ -177,6 +184,7 @@ def _check_defaults(args: argparse.Namespace) -> None:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
         sampling=generation_defaults(args.model, args.generation_config),
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -230,6 +238,7 @@ SERVE_CHECKS = (
     _check_rl_api_auth,
     _check_profiler_routes,
     _check_tool_calls,
+    _check_reasoning_parser,
     _check_defaults,
     _check_lora,
     _check_keep_alive,
@@ -311,6 +320,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         help=f"the format of the model's tool calls: {', '.join(TOOL_CALL_PARSERS)} (<tool_call>{{json}}</tool_call>)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help=f"the format of the model's thinking: {', '.join(REASONING_PARSERS)} (vLLM's parsers of these names): "
+        "chat output up to </think> is message.reasoning (delta.reasoning when streaming), the rest message.content",
     )
     serve.add_argument(
         "--generation-config",

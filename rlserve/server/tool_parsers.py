@@ -12,6 +12,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from rlserve.server.partial_tags import partial_tag_length
 from rlserve.server.protocol import FunctionCall, ToolCall
 
 TOOL_CALL_START = "<tool_call>"
@@ -56,14 +57,6 @@ def parse_hermes(text: str) -> ParsedOutput:
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser values rlserve implements
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag` (to hold back while streaming)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
-
-
 class StreamingToolCalls:
     """One streamed choice: `feed` each text delta and send what it returns as content; `finish` gives the rest of
     the content and the tool calls, for the choice's last chunk."""
@@ -75,7 +68,7 @@ class StreamingToolCalls:
     def feed(self, delta: str) -> str:
         self.text += delta
         start = self.text.find(TOOL_CALL_START)
-        sendable = start if start != -1 else len(self.text) - _partial_tag(self.text, TOOL_CALL_START)
+        sendable = start if start != -1 else len(self.text) - partial_tag_length(self.text, [TOOL_CALL_START])
         if sendable <= self.sent:
             return ""
         content = self.text[self.sent : sendable]

@@ -2,8 +2,9 @@
 
 Server starts cost seconds, so each is started once per session: `server` (RL API on, API key, the `nccl`
 weight-transfer backend for the live-update test) and, only for the tests that need them, `plain_server` (RL API
-off), `batch_invariant_server`, `lora_server`, `replica_servers` and `extension_server`. Every test that pauses
-resumes in `rl`'s teardown, so a failing test cannot leave the shared server paused.
+off), `batch_invariant_server`, `lora_server`, `replica_servers`, `extension_server` and `reasoning_server` (a
+scripted model's thinking and tool call, parsed). Every test that pauses resumes in `rl`'s teardown, so a failing test
+cannot leave the shared server paused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, free_port
 
 from rlserve.rl.client import RLServeClient
-from rlserve.toy import make_lora_dir, make_model_dir, merge_lora
+from rlserve.toy import make_lora_dir, make_model_dir, make_scripted_model_dir, merge_lora
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 180.0  # a loaded CI machine needs tens of seconds to import torch and build the engine
@@ -117,6 +118,35 @@ def extension_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     log = tmp_path_factory.mktemp("server-logs") / "extension.log"
     args = ("--enable-rl-api", "--worker-extension-cls", "worker_extension:CheckpointLoader")
     yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
+
+
+# What `reasoning_server`'s model writes after any prompt that ends with a newline (as every generation prompt does):
+# thinking, its end spelled in byte tokens (streamed one character a chunk), an answer and a tool call.
+REASONING = "Go"
+ANSWER = " Yes\t"
+TOOL_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+SCRIPT = ["\n", *REASONING, *"</think>", *ANSWER, "<tool_call>", TOOL_CALL, "</tool_call>"]
+SCRIPT_TEXT = "".join(SCRIPT[1:])
+# Qwen3's switches in ChatML: enable_thinking false closes an empty thinking block in the generation prompt, an
+# assistant turn's reasoning_content renders as its thinking, and reasoning_effort shows in a system turn.
+REASONING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\neffort: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def reasoning_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`--reasoning-parser qwen3` with hermes tool calls, over a model that writes SCRIPT."""
+    added = ["<tool_call>", TOOL_CALL, "</tool_call>"]
+    model_dir = make_scripted_model_dir(tmp_path_factory.mktemp("scripted-model") / "toy", SCRIPT, added)
+    log = tmp_path_factory.mktemp("server-logs") / "reasoning.log"
+    args = ("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield from _serve(model_dir, log, *args, "--chat-template", REASONING_TEMPLATE, api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")

@@ -248,6 +248,14 @@ def test_tool_call_flags_come_as_vllms_pair(capsys: pytest.CaptureFixture) -> No
     assert "--enable-auto-tool-choice" in refused(capsys, "m", "--tool-call-parser", "hermes")
 
 
+def test_reasoning_parser_is_one_rlserve_implements(capsys: pytest.CaptureFixture) -> None:
+    assert parse("m", "--reasoning-parser", "qwen3").serving_defaults.reasoning_parser == "qwen3"
+    assert parse("m", "--reasoning-parser", "deepseek_r1").serving_defaults.reasoning_parser == "deepseek_r1"
+    assert parse("m").serving_defaults.reasoning_parser is None
+    error = refused(capsys, "m", "--reasoning-parser", "granite")
+    assert "--reasoning-parser granite: not implemented (rlserve implements: deepseek_r1, qwen3, step5)" in error
+
+
 # ---- the RL routes' key ----
 
 

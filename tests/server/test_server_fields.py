@@ -402,6 +402,8 @@ FIELD_TESTS: dict[str, str] = {
     "documents": "test_chat_template_kwargs_and_documents",
     "tools": "test_pipelinerl_chat_with_tools_and_token_ids",
     "tool_choice": "test_tool_choice",
+    "include_reasoning": "test_server_reasoning.py::test_include_reasoning_false_drops_the_reasoning_and_its_traces",
+    "reasoning_effort": "test_server_reasoning.py::test_enable_thinking_and_reasoning_effort",
     # /inference/v1/generate
     "token_ids": "test_server_vllm_routes.py::test_generate_streams_and_refuses_bad_fields",
     "sampling_params": "test_server_vllm_routes.py::test_generate_streams_and_refuses_bad_fields",
@@ -427,7 +429,7 @@ def test_every_field_has_an_effect_or_is_refused(model: type) -> None:
         source = (TESTS / (file or Path(__file__).name)).read_text()
         assert f"def {function}(" in source, f"{name}: {test} does not exist"
     assert not unaccounted, f"fields neither tested for an effect nor refused: {unaccounted}"
-    # A declared field is implemented by its model (chat's echo), or typed to its one accepted value: none of the
-    # refused ones is declared and then dropped.
+    # A declared field is implemented by its model (chat's echo and reasoning fields), or typed to its one accepted
+    # value: none of the refused ones is declared and then dropped.
     implemented = {n for n, info in model.model_fields.items() if not _is_single_literal(info.annotation)}
-    assert set(REFUSED_FIELDS) & implemented <= {"echo"}
+    assert set(REFUSED_FIELDS) & implemented <= {"echo", "include_reasoning", "reasoning_effort"}
