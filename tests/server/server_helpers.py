@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from rlserve.engine.dp_lockstep import free_port
 
@@ -36,6 +37,11 @@ class Server:
 
     def async_client(self, **kwargs: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=HTTP_TIMEOUT_S, **kwargs)
+
+    def openai(self) -> openai.OpenAI:
+        """The `openai` package's client of this server, with its key (no retries: a test sees every failure)."""
+        key = self.headers.get("Authorization", "").removeprefix("Bearer ") or "EMPTY"
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, timeout=HTTP_TIMEOUT_S, max_retries=0)
 
 
 @dataclass

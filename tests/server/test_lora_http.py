@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server
+from server_helpers import HTTP_TIMEOUT_S, MODEL_NAME, Server
 
 from rlserve import SamplingParams
 
@@ -69,7 +69,7 @@ def test_the_adapter_computes_what_the_merged_checkpoint_does(http, server_lora_
 
 
 def test_openai_routes_take_the_adapter_as_model(lora_server: Server, http: httpx.Client) -> None:
-    oai = openai.OpenAI(base_url=lora_server.url + "/v1", api_key=API_KEY, timeout=HTTP_TIMEOUT_S, max_retries=0)
+    oai = lora_server.openai()
     completion = oai.completions.create(
         model="static", prompt=PROMPT_IDS, extra_body={**GREEDY, "return_token_ids": True}
     )

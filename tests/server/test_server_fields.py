@@ -67,7 +67,7 @@ def http(fields_server: Server) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def oai(fields_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=fields_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return fields_server.openai()
 
 
 def post(http: httpx.Client, path: str, **body: Any) -> dict:

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, MODEL_NAME, Server, Stream, read_stream
+from server_helpers import MODEL_NAME, Server, Stream, read_stream
 
 from rlserve.rl.client import RLServeClient
 
@@ -19,7 +19,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture
 def oai(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai()
 
 
 def complete(server: Server, **body) -> dict:

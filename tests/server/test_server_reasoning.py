@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import ANSWER, REASONING, SCRIPT_TEXT, TOOL_CALL
-from server_helpers import API_KEY, MODEL_NAME, Server
+from server_helpers import MODEL_NAME, Server
 
 from rlserve.server.reasoning_parsers import ReasoningParser, reasoning_parser
 
@@ -148,7 +148,7 @@ def http(reasoning_server: Server) -> Iterator[httpx.Client]:
 
 @pytest.fixture
 def oai(reasoning_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=reasoning_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return reasoning_server.openai()
 
 
 def chat(http: httpx.Client, messages: list[dict] = USER, **body: Any) -> dict:

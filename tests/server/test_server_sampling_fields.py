@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, MODEL_NAME, Server
+from server_helpers import MODEL_NAME, Server
 
 PROMPT = "The quick brown fox jumps over"
 MAX_TOKENS = 32
@@ -14,7 +14,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture
 def oai(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return server.openai()
 
 
 def test_a_bad_word_never_appears(oai: openai.OpenAI, server: Server) -> None:
