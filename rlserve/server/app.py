@@ -72,7 +72,13 @@ from rlserve.server.protocol import (
     routed_experts_field,
     weight_version_spans,
 )
-from rlserve.server.reasoning_parsers import Reasoned, ReasoningParser, ReasoningStream, reasoning_parser
+from rlserve.server.reasoning_parsers import (
+    READS_SPECIAL_TOKENS,
+    Reasoned,
+    ReasoningParser,
+    ReasoningStream,
+    reasoning_parser,
+)
 from rlserve.server.rl_routes import build_rl_router
 from rlserve.server.tool_parsers import StreamingToolCalls, parse_hermes
 from rlserve.server.vllm_routes import build_vllm_router
@@ -528,7 +534,7 @@ class OpenAIServing:
             raise APIError.from_value_error(e, _SAMPLING_FIELDS, None, rename) from e
         parse_tools = self._parses_tool_calls(req)
         name = self.defaults.reasoning_parser
-        if (parse_tools or name == "qwen3") and "skip_special_tokens" not in req.model_fields_set:
+        if (parse_tools or name in READS_SPECIAL_TOKENS) and "skip_special_tokens" not in req.model_fields_set:
             # vLLM's: a model's tool-call (or thinking) tags may be special tokens, which the parser must see.
             params = dataclasses.replace(params, skip_special_tokens=False)
 

@@ -33,6 +33,15 @@ THINK_END = "</think>"
 TURN_BOUNDARIES = ("<|im_start|>", "<|im_end|>")
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "step5")  # --reasoning-parser values rlserve implements
+# Parsers whose tags may be special tokens, which the output's text must then keep (vLLM's qwen3 parser turns
+# skip_special_tokens off).
+READS_SPECIAL_TOKENS = frozenset({"qwen3"})
+
+
+def check_reasoning_parser(name: str) -> None:
+    if name not in REASONING_PARSERS:
+        implemented = ", ".join(REASONING_PARSERS)
+        raise ValueError(f"--reasoning-parser {name}: not implemented (rlserve implements: {implemented})")
 
 
 @dataclass(frozen=True)
@@ -146,11 +155,9 @@ class _VerbatimParser(ReasoningParser):
 
 def reasoning_parser(name: str, chat_template_kwargs: Mapping[str, Any] | None, prompt: str) -> ReasoningParser:
     """The parser `--reasoning-parser name` makes for a request with these chat template kwargs and prompt text."""
+    check_reasoning_parser(name)
     if name in ("deepseek_r1", "step5"):
         return _DeepSeekR1Parser(_DEEPSEEK_R1, thinking=True)
-    if name != "qwen3":
-        implemented = ", ".join(REASONING_PARSERS)
-        raise ValueError(f"--reasoning-parser {name}: not implemented (rlserve implements: {implemented})")
     if not (chat_template_kwargs or {}).get("enable_thinking", True):
         return _VerbatimParser(_Grammar(), thinking=False)
     return ReasoningParser(_QWEN3, thinking=not _closes_thinking(prompt))

@@ -26,7 +26,7 @@ from rlserve.server.defaults import (
     load_chat_template,
 )
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
-from rlserve.server.reasoning_parsers import REASONING_PARSERS
+from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
@@ -171,10 +171,8 @@ def _check_tool_calls(args: argparse.Namespace) -> None:
 
 
 def _check_reasoning_parser(args: argparse.Namespace) -> None:
-    parser = args.reasoning_parser
-    if parser is not None and parser not in REASONING_PARSERS:
-        implemented = ", ".join(REASONING_PARSERS)
-        raise ValueError(f"--reasoning-parser {parser}: not implemented (rlserve implements: {implemented})")
+    if args.reasoning_parser is not None:
+        check_reasoning_parser(args.reasoning_parser)
 
 
 def _check_defaults(args: argparse.Namespace) -> None:
