@@ -394,9 +394,10 @@ class AsyncLLM(EngineFrontEnd):
 
     # ---- weights ----
 
-    async def init_weight_transfer_engine(self, request) -> None:
+    async def init_weight_transfer_engine(self, request, backend: str | None = None) -> None:
+        """`backend` (rlserve's): the backend a framework's route speaks, see EngineCore.init_weight_transfer_engine."""
         # The rendezvous blocks until the trainer joins: the core runs it on a thread and keeps stepping.
-        await self._call("init_weight_transfer_engine", _field(request, "init_info"))
+        await self._call("init_weight_transfer_engine", _field(request, "init_info"), backend)
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self.check_weight_update_format(is_checkpoint_format)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.distributed import TCPStore
 
-from rlserve.config import EngineConfig
+from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.lora_manager import LoRAManager
@@ -93,6 +93,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(_eos_token_ids(self.runner.hf_config, config.model))
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.weight_transfer = None  # created by init_weight_transfer_engine
+        self._weight_transfer_backend: str | None = None  # its backend's name
         self.worker = make_worker(self.runner, config.worker_extension_cls)
         self.weight_update_active = False
         # Checkpoint tensors that hold no valid weights: released by sleep(level=2), partly written by a failed
@@ -483,21 +484,20 @@ class EngineCore:
 
     # ---- weight updates ----
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
+    def init_weight_transfer_engine(self, init_info: dict, backend: str | None = None) -> None:
+        """`backend`: the one a framework's route speaks (prime-rl's /init_broadcaster, say), used when the engine
+        was started without a weight-transfer config; one started with another backend refuses it."""
         from rlserve.weight_transfer import WeightTransferEngineFactory
 
-        if self.config.weight_transfer_config is None:
-            # The core cannot tell which front end its caller used: the fix for each, the HTTP one first.
-            raise RuntimeError(
-                "Weight transfer not configured: start `rlserve serve` with --weight-transfer-config "
-                '\'{"backend":"nccl"}\' (over HTTP), or create the engine with '
-                "weight_transfer_config=WeightTransferConfig() (in Python)"
-            )
+        transfer_config = self._weight_transfer_config(backend)
         tp_size = self.config.tensor_parallel_size
         index = self.config.data_parallel_rank * tp_size  # vLLM's: dp_rank * TP + tp_rank; this is tp_rank 0
+        if self.weight_transfer is not None and self._weight_transfer_backend != transfer_config.backend:
+            self._close_weight_transfer()  # a framework route's backend replaces the previous one
         if self.weight_transfer is None:
+            self._weight_transfer_backend = transfer_config.backend
             self.weight_transfer = WeightTransferEngineFactory.create_engine(
-                self.config.weight_transfer_config,
+                transfer_config,
                 self.runner.device,
                 index,
                 self.config.weight_transfer_timeout_s,
@@ -508,9 +508,27 @@ class EngineCore:
         # The other ranks start their rendezvous on threads of their own and answer at once; they join with this one.
         config = self.config
         self.runner.call_followers(
-            "init_weight_transfer", config.weight_transfer_config, init_info, index, config.weight_transfer_timeout_s
+            "init_weight_transfer", transfer_config, init_info, index, config.weight_transfer_timeout_s
         )
         self.weight_transfer.init_transfer_engine(parsed)
+
+    def _weight_transfer_config(self, backend: str | None) -> WeightTransferConfig:
+        configured = self.config.weight_transfer_config
+        if backend is None and configured is None:
+            # The core cannot tell which front end its caller used: the fix for each, the HTTP one first.
+            raise RuntimeError(
+                "Weight transfer not configured: start `rlserve serve` with --weight-transfer-config "
+                '\'{"backend":"nccl"}\' (over HTTP), or create the engine with '
+                "weight_transfer_config=WeightTransferConfig() (in Python)"
+            )
+        if backend is None:
+            return configured
+        if configured is not None and configured.backend != backend:
+            raise RuntimeError(
+                f"this route speaks the {backend!r} weight transfer, but the engine was started with backend "
+                f"{configured.backend!r} (--weight-transfer-config): start it without one, or with {backend!r}"
+            )
+        return WeightTransferConfig(backend=backend)
 
     def _require_transfer_engine(self, operation: str):
         if self.weight_transfer is None:

@@ -31,6 +31,7 @@ from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
+from rlserve.server.framework_routes import FrameworkState, build_framework_router
 from rlserve.server.generate_protocol import (
     GenerateChoice,
     GenerateRequest,
@@ -880,8 +881,11 @@ def build_app(
     app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
     if enable_rl_api:
         rl_auth = auth if rl_api_keyed else make_auth([])
-        rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs)
+        frameworks = app.state.frameworks = FrameworkState()
+        rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs, frameworks)
         app.include_router(rl_router, responses=errors)
+        framework_router = build_framework_router(engine, serving.adapters, rl_auth, metrics, frameworks)
+        app.include_router(framework_router, responses=errors)
     _add_docs_page(app)
     return app
 

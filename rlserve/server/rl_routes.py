@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
@@ -29,6 +29,9 @@ from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
+
+if TYPE_CHECKING:
+    from rlserve.server.framework_routes import FrameworkState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,9 +151,11 @@ def build_rl_router(
     auth: Callable[..., Awaitable[None]],
     metrics: ServerMetrics,
     allowed_weight_dirs: Collection[str] = (),
+    frameworks: FrameworkState | None = None,
 ) -> APIRouter:
     """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests.
-    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from."""
+    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from. `frameworks`: the
+    framework routes' state (after prime-rl's /init_broadcaster, a weight_dir update comes over its broadcast)."""
 
     async def timed(request: Request) -> AsyncIterator[None]:
         start = time.perf_counter()
@@ -222,13 +227,15 @@ def build_rl_router(
         return {"message": "Draft weight update started"}
 
     @router.post("/update_weights")
-    async def update_weights(body: UpdateWeightsRequest) -> dict[str, str]:
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
         """vLLM's `{"update_info": {...}}` or a list of them, applied in order (an update refused part-way leaves
         the earlier ones applied, as in vLLM); or prime-rl's `{"weight_dir": PATH}`, a checkpoint directory the
         trainer wrote, loaded in place (checked whole first, so a refused one changes nothing)."""
         if body.weight_dir is not None:
             if body.update_info is not None:
                 raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
+            if frameworks is not None and frameworks.weight_dir_by_broadcast is not None:
+                return await frameworks.weight_dir_by_broadcast(body.weight_dir)
             weight_dir = _allowed_weight_dir(body.weight_dir, allowed_weight_dirs)
             await _engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
             return {"message": "Weights updated"}

@@ -32,6 +32,7 @@ from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cor
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import build_app
+from rlserve.server.framework_routes import start_pipelinerl_join
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.protocol import APIError
 from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
@@ -94,6 +95,8 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         defaults=args.serving_defaults,
         allowed_weight_dirs=args.allowed_weight_dirs,
     )
+    if args.enable_rl_api:
+        start_pipelinerl_join(engine, args, app.state.frameworks)
     for module in args.lora_modules:
         name, path, base = module["name"], module["path"], module["base_model_name"]
         try:

@@ -25,6 +25,7 @@ from rlserve.server.defaults import (
     generation_defaults,
     load_chat_template,
 )
+from rlserve.server.framework_routes import add_pipelinerl_arguments, check_pipelinerl_arguments
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -234,6 +235,7 @@ SERVE_CHECKS = (
     _check_model,
     _check_quantization,
     _check_rl_api_auth,
+    check_pipelinerl_arguments,
     _check_profiler_routes,
     _check_tool_calls,
     _check_reasoning_parser,
@@ -367,6 +369,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     for entry in UNSUPPORTED:
         help_text = f"refused: {entry.reason}" + (f" (except {entry.accepted})" if entry.accepted else "")
         unsupported.add_argument(*entry.flags, action=_Refuse, entry=entry, help=help_text)
+    add_pipelinerl_arguments(serve)
     add_engine_arguments(serve)
 
 

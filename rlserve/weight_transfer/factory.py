@@ -168,6 +168,13 @@ WeightTransferEngineFactory.register_engine("ipc", "rlserve.weight_transfer.ipc"
 WeightTransferEngineFactory.register_engine(
     "sparse_nccl", "rlserve.weight_transfer.sparse_nccl", "SparseNCCLWeightTransferEngine"
 )
+# The receivers of prime-rl's and PipelineRL's trainers (their framework routes name them).
+WeightTransferEngineFactory.register_engine(
+    "prime_rl", "rlserve.weight_transfer.framework_backends", "PrimeRLBroadcastEngine"
+)
+WeightTransferEngineFactory.register_engine(
+    "pipelinerl", "rlserve.weight_transfer.framework_backends", "PipelineRLBroadcastEngine"
+)
 
 WeightTransferTrainerFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLTrainerWeightTransferEngine")
 WeightTransferTrainerFactory.register_engine("ipc", "rlserve.weight_transfer.ipc", "IPCTrainerWeightTransferEngine")

@@ -1,0 +1,252 @@
+"""The routes RL frameworks' own inference servers add around vLLM, which their trainers and orchestrators call, on
+rlserve's weight-update machinery (the engine's start / update / finish, its rollback and abandon on failure).
+
+- prime-rl (559b4477, `prime_rl/inference/vllm/server.py`): `POST /init_broadcaster` joins its trainer's broadcast
+  group (backend `prime_rl`, `rlserve/weight_transfer/framework_backends.py`); after it, `POST /update_weights
+  {"weight_dir"}` is its NCCL mode: the directory holds only the orchestrator's `NCCL_READY` marker (the trainer
+  sends once it exists) and the weights come over the group. `POST /load_lora_adapter` always reloads in place (its
+  adapter name is fixed, the path changes per step); `GET /liveness` answers once the engine core answers.
+- PipelineRL (58d39345, `pipelinerl/vllm1.py`): its flags `--weight-update-group-init-method`,
+  `--weight-update-group-world-size`, `--actor-llm-idx` join its trainer's group as the server starts (backend
+  `pipelinerl`); `POST /receive_weight_update {version, parameters_info}` pauses (keep), receives the broadcast
+  parameters, and resumes.
+
+The control routes need the RL API key, as the other control routes (`/liveness`, a probe, does not). Errors are
+the RL routes': a bad field is a 400 naming it, a call out of order a 409.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
+
+from rlserve.engine.async_llm import AsyncLLM
+from rlserve.server.lora_routes import LoadLoRAAdapterRequest, LoRAAdapters
+from rlserve.server.metrics import ServerMetrics
+from rlserve.server.protocol import APIError, OpenAIBaseModel
+from rlserve.server.rl_routes import _engine_call
+from rlserve.weight_transfer.framework_backends import FP8_NOT_YET, dtype_name_of, pipelinerl_update_info
+
+logger = logging.getLogger(__name__)
+
+NCCL_READY_MARKER = "NCCL_READY"  # prime-rl's orchestrator writes it into weight_dir; its trainer then broadcasts
+LIVENESS_TIMEOUT_S = 30.0  # prime-rl's default liveness_timeout_seconds
+_INIT_FIELDS = ("host", "port", "rank_offset", "inference_world_size", "timeout", "quantize_in_weight_transfer")
+
+
+class InitBroadcasterRequest(OpenAIBaseModel):
+    """prime-rl's `/init_broadcaster` body (its `init_nccl_broadcast` client sends all but session_id)."""
+
+    host: StrictStr
+    port: StrictInt
+    rank_offset: StrictInt
+    inference_world_size: StrictInt
+    timeout: StrictInt | StrictFloat
+    quantize_in_weight_transfer: StrictBool = False
+    session_id: StrictStr = "default"
+
+
+class ParameterInfo(OpenAIBaseModel):
+    name: StrictStr
+    shape: list[StrictInt]
+    dtype: StrictStr  # str(torch.dtype): "torch.bfloat16"
+
+
+class ReceiveWeightUpdateRequest(OpenAIBaseModel):
+    """PipelineRL's `WeightUpdateRequest`, as its trainer posts it (`model_dump()`)."""
+
+    kind: Literal["weight_update_request"] = "weight_update_request"
+    version: StrictInt
+    parameters_info: list[ParameterInfo]
+    timestamp: StrictFloat | StrictInt | None = None
+
+
+class FrameworkState:
+    """What the framework routes remember between calls: how prime-rl's weight_dir updates arrive once its broadcaster
+    is up, PipelineRL's group join, and the lock that orders PipelineRL's updates."""
+
+    def __init__(self) -> None:
+        # prime-rl's NCCL-mode /update_weights {"weight_dir"}, once /init_broadcaster has joined its trainer's group
+        self.weight_dir_by_broadcast: Callable[[str], Awaitable[dict[str, str]]] | None = None
+        self.pipelinerl_join: asyncio.Task | None = None
+        self.update_lock = asyncio.Lock()
+
+
+async def _broadcast_update(engine: AsyncLLM, metrics: ServerMetrics, update_info: dict, version: str | None) -> None:
+    """One weight update over the engine's machinery; an update that fails is abandoned (rolled back with
+    --weight-update-snapshot), so the engine is never left with an open one."""
+    await _engine_call(engine.start_weight_update(True))
+    metrics.weight_update_started()
+    try:
+        await _engine_call(engine.update_weights({"update_info": update_info}), "update_info", data_param="update_info")
+        await _engine_call(engine.finish_weight_update(version), "version")
+    except BaseException:
+        with contextlib.suppress(RuntimeError):  # the engine already abandoned it (trainer lost)
+            await engine.abandon_weight_update()
+        raise
+    finally:
+        metrics.weight_update_finished()
+
+
+async def update_weights_from_broadcast(
+    engine: AsyncLLM, metrics: ServerMetrics, state: FrameworkState, weight_dir: str
+) -> dict[str, str]:
+    """prime-rl's NCCL-mode `/update_weights {"weight_dir"}`: nothing is read from the directory, which must hold
+    the orchestrator's NCCL_READY marker (without it the trainer never sends, and the receive would wait out its
+    timeout)."""
+    if not os.path.isfile(os.path.join(weight_dir, NCCL_READY_MARKER)):
+        message = (
+            f"weight_dir: no {NCCL_READY_MARKER} marker in {weight_dir!r}; prime-rl's trainer broadcasts only once "
+            "the orchestrator has written it"
+        )
+        raise APIError(409, message, "weight_dir")
+    async with state.update_lock:
+        await _broadcast_update(engine, metrics, {}, None)
+    return {"status": "ok"}
+
+
+def build_framework_router(
+    engine: AsyncLLM,
+    adapters: LoRAAdapters,
+    auth: Callable[..., Awaitable[None]],
+    metrics: ServerMetrics,
+    state: FrameworkState,
+) -> APIRouter:
+    router = APIRouter(tags=["frameworks"])
+    keyed = [Depends(auth)]
+
+    @router.post("/init_broadcaster", dependencies=keyed)
+    async def init_broadcaster(body: InitBroadcasterRequest) -> dict[str, str]:
+        """prime-rl: join its trainer's weight broadcast (blocks until the trainer and every server have joined)."""
+        if body.quantize_in_weight_transfer:
+            raise APIError(400, FP8_NOT_YET, "quantize_in_weight_transfer")
+        init = engine.init_weight_transfer_engine({"init_info": body.model_dump()}, backend="prime_rl")
+        await _engine_call(init, "init_info", fields=_INIT_FIELDS, data_param="init_info")
+        state.weight_dir_by_broadcast = lambda weight_dir: update_weights_from_broadcast(
+            engine, metrics, state, weight_dir
+        )
+        return {"status": "ok"}
+
+    @router.post("/load_lora_adapter", dependencies=keyed)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:
+        """prime-rl: load or reload (always in place) the adapter `lora_name` from `lora_path`."""
+        await adapters.load(body.lora_name, body.lora_path, load_inplace=True)
+        return {"status": "ok"}
+
+    @router.get("/liveness")
+    async def liveness() -> JSONResponse:
+        """prime-rl: 200 once the engine core answers a no-op call, 503 {"status": "engine_unresponsive"} if it
+        does not within 30 s."""
+        try:
+            await asyncio.wait_for(engine.is_paused(), LIVENESS_TIMEOUT_S)
+        except TimeoutError:
+            return JSONResponse({"status": "engine_unresponsive"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.post("/receive_weight_update", dependencies=keyed)
+    async def receive_weight_update(body: ReceiveWeightUpdateRequest) -> dict[str, str]:
+        """PipelineRL: pause (keep), receive the parameters its trainer broadcasts in `parameters_info` order, set
+        the weight version to `version`, resume."""
+        await _joined_pipelinerl_group(state)
+        update_info = _pipelinerl_update_info(body)
+        async with state.update_lock, _paused(engine, metrics):
+            await _broadcast_update(engine, metrics, update_info, str(body.version))
+        return {"status": "ok"}
+
+    return router
+
+
+def _pipelinerl_update_info(body: ReceiveWeightUpdateRequest) -> dict[str, Any]:
+    for index, info in enumerate(body.parameters_info):
+        try:
+            dtype_name_of(info.dtype)
+        except ValueError as e:
+            raise APIError(400, f"parameters_info[{index}].dtype: {e}", "parameters_info") from e
+    return pipelinerl_update_info([info.model_dump() for info in body.parameters_info])
+
+
+@contextlib.asynccontextmanager
+async def _paused(engine: AsyncLLM, metrics: ServerMetrics) -> AsyncIterator[None]:
+    """PipelineRL's pause around an update: requests in flight keep their KV cache and go on after it."""
+    await _engine_call(engine.pause_generation(mode="keep", clear_cache=False))
+    metrics.generation_paused()
+    try:
+        yield
+    finally:
+        await engine.resume_generation()
+        metrics.generation_resumed()
+
+
+async def _joined_pipelinerl_group(state: FrameworkState) -> None:
+    join = state.pipelinerl_join
+    if join is None:
+        message = (
+            "parameters_info: no PipelineRL weight-update group: start rlserve serve with "
+            "--weight-update-group-init-method tcp://HOST:PORT and --weight-update-group-world-size N"
+        )
+        raise APIError(409, message, "parameters_info")
+    try:
+        await asyncio.shield(join)
+    except APIError as e:
+        raise APIError(409, f"the PipelineRL weight-update group could not be joined: {e.message}") from e
+
+
+# --- PipelineRL's flags ------------------------------------------------------------------------------------------
+
+
+def add_pipelinerl_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("PipelineRL", "PipelineRL's weight-update group (pipelinerl/vllm1.py)")
+    group.add_argument(
+        "--weight-update-group-init-method",
+        default=None,
+        help="tcp://HOST:PORT of the PipelineRL trainer's group, joined as the server starts",
+    )
+    group.add_argument("--weight-update-group-world-size", type=int, default=None, help="the group's size")
+    group.add_argument("--actor-llm-idx", type=int, default=0, help="this server's index among PipelineRL's actors")
+    group.add_argument(
+        "--disable-weight-updates", action="store_true", help="PipelineRL's: join no weight-update group"
+    )
+
+
+def check_pipelinerl_arguments(args: argparse.Namespace) -> None:
+    if (args.weight_update_group_init_method is None) != (args.weight_update_group_world_size is None):
+        raise ValueError("--weight-update-group-init-method and --weight-update-group-world-size go together")
+    if args.weight_update_group_init_method is not None and not args.disable_weight_updates and not args.enable_rl_api:
+        raise ValueError(
+            "--weight-update-group-init-method: PipelineRL's updates come through /receive_weight_update, an RL "
+            "route: add --enable-rl-api (or --disable-weight-updates)"
+        )
+
+
+def start_pipelinerl_join(engine: AsyncLLM, args: argparse.Namespace, state: FrameworkState) -> None:
+    """Join PipelineRL's group in the background as the server starts (PipelineRL's server joins before serving;
+    here /health answers meanwhile, and /receive_weight_update waits for the join)."""
+    if args.disable_weight_updates or args.weight_update_group_init_method is None:
+        return
+    config = engine.config
+    init_info = {
+        "init_method": args.weight_update_group_init_method,
+        "world_size": args.weight_update_group_world_size,
+        "actor_llm_idx": args.actor_llm_idx,
+        "actor_ngpus": config.tensor_parallel_size * config.data_parallel_size,
+    }
+
+    async def join() -> None:
+        call = engine.init_weight_transfer_engine({"init_info": init_info}, backend="pipelinerl")
+        try:
+            await _engine_call(call, "init_info", data_param="init_info")
+        except APIError as e:
+            logger.error("PipelineRL weight-update group: %s", e.message)
+            raise
+        logger.info("joined PipelineRL's weight-update group at %s", args.weight_update_group_init_method)
+
+    state.pipelinerl_join = asyncio.create_task(join())

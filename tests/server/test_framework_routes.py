@@ -1,0 +1,232 @@
+"""prime-rl's and PipelineRL's server routes on a real `rlserve serve`, driven as their clients drive them:
+
+- prime-rl 559b4477 `src/prime_rl/utils/client.py`: `init_nccl_broadcast` (POST /init_broadcaster with host, port,
+  rank_offset, inference_world_size, timeout, quantize_in_weight_transfer; raise_for_status), `update_weights`
+  (POST /pause?mode=keep&clear_cache=false, write `weight_dir/NCCL_READY`, POST /update_weights {"weight_dir"},
+  POST /resume), `load_lora_adapter` (POST /load_lora_adapter {lora_name, lora_path}), and the server's GET
+  /liveness; its trainer waits for NCCL_READY, then broadcasts (tests/server/framework_senders.py);
+- PipelineRL 58d39345 `pipelinerl/finetune_loop.py` `WeightUpdateManager`: POST /receive_weight_update with
+  `WeightUpdateRequest.model_dump()` (no auth header) on a thread while rank 0 broadcasts every parameter, then
+  raise_for_status; the server joins its group at start from `--weight-update-group-init-method` /
+  `--weight-update-group-world-size` / `--actor-llm-idx`, as its `run_vllm1` entrypoint does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import _start, _stop, _wait_healthy
+from framework_senders import (
+    StatelessTrainer,
+    pipelinerl_parameters_info,
+    prime_rl_broadcast_state_dict,
+    prime_rl_broadcast_weights,
+)
+from safetensors.torch import load_file
+from server_helpers import API_KEY, HTTP_TIMEOUT_S, Server, free_port
+
+from rlserve.rl.client import RLServeClient
+from rlserve.toy import make_lora_dir, make_model_dir
+from rlserve.weight_transfer import compare_checksums, weight_checksums
+
+TIMEOUT_S = 60
+NCCL_READY = "NCCL_READY"
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    model_dir = make_model_dir(tmp_path_factory.mktemp("fw-new") / "toy", seed=11, initializer_range=0.2)
+    return load_file(model_dir / "model.safetensors")
+
+
+# --- prime-rl ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prime_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """prime-rl's server: no weight-transfer config (its /init_broadcaster picks the backend), LoRA on."""
+    log = tmp_path_factory.mktemp("fw-logs") / "prime.log"
+    args = ("--enable-rl-api", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")
+    server = _start(server_model_dir, log, *args, api_key=API_KEY)
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def prime_trainer(prime_server: Server) -> Iterator[StatelessTrainer]:
+    """prime-rl's NCCLWeightBroadcast (rank 0 of inference_world_size + 1) and its orchestrator's
+    init_nccl_broadcast (one server, rank_offset 0), at once: each blocks until both have joined."""
+    port = free_port()
+    body = {
+        "host": "127.0.0.1",
+        "port": port,
+        "rank_offset": 0,
+        "inference_world_size": 1,
+        "timeout": TIMEOUT_S,
+        "quantize_in_weight_transfer": False,
+    }
+    with prime_server.client() as admin, ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(admin.post, "/init_broadcaster", json=body)
+        trainer = StatelessTrainer(port, world_size=2, timeout_s=TIMEOUT_S)
+        response = joined.result(timeout=TIMEOUT_S)
+    response.raise_for_status()
+    assert response.json() == {"status": "ok"}
+    yield trainer
+    trainer.shutdown()
+
+
+def _prime_rl_update(server: Server, weight_dir: Path, send) -> httpx.Response:
+    """prime-rl's orchestrator `update_weights` with its trainer's `broadcast_weights` (waits for NCCL_READY)."""
+
+    def trainer_side() -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (weight_dir / NCCL_READY).exists():  # sync_wait_for_path
+            assert time.monotonic() < deadline, "NCCL_READY never written"
+            time.sleep(0.05)
+        send()
+
+    with server.client() as admin, ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(trainer_side)
+        admin.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
+        try:
+            weight_dir.mkdir(parents=True, exist_ok=True)
+            (weight_dir / NCCL_READY).touch()
+            response = admin.post("/update_weights", json={"weight_dir": weight_dir.as_posix()})
+        finally:
+            admin.post("/resume").raise_for_status()
+        sent.result(timeout=TIMEOUT_S)
+    return response
+
+
+def test_prime_rl_init_broadcaster_refuses_fp8_transfer_by_name(prime_server: Server) -> None:
+    body = {"host": "127.0.0.1", "port": free_port(), "rank_offset": 0, "inference_world_size": 1, "timeout": 5}
+    with prime_server.client() as admin:
+        response = admin.post("/init_broadcaster", json={**body, "quantize_in_weight_transfer": True})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "quantize_in_weight_transfer"
+        assert "FP8" in response.json()["error"]["message"]
+        keyless = httpx.post(prime_server.url + "/init_broadcaster", json=body, timeout=HTTP_TIMEOUT_S)
+        assert keyless.status_code == 401
+
+
+def test_prime_rl_nccl_mode_update_weights(
+    prime_server: Server, prime_trainer: StatelessTrainer, new_weights: dict, tmp_path: Path
+) -> None:
+    with RLServeClient(prime_server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S) as rl:
+        assert compare_checksums(rl.weight_checksums(), weight_checksums(new_weights.items()))["mismatches"]
+        # Without the orchestrator's marker the trainer never sends: refused at once, not a wait for its timeout.
+        with prime_server.client() as admin:
+            unmarked = admin.post("/update_weights", json={"weight_dir": str(tmp_path)})
+        assert unmarked.status_code == 409 and unmarked.json()["error"]["param"] == "weight_dir", unmarked.text
+
+        response = _prime_rl_update(
+            prime_server, tmp_path / "step_1", lambda: prime_rl_broadcast_weights(prime_trainer, new_weights)
+        )
+        assert response.status_code == 200, response.text
+        assert compare_checksums(weight_checksums(new_weights.items()), rl.weight_checksums())["match"]
+        assert not rl.is_paused()
+
+
+def test_prime_rl_refused_state_dict_keeps_the_stream_in_step(
+    prime_server: Server, prime_trainer: StatelessTrainer, new_weights: dict, tmp_path: Path
+) -> None:
+    """A state dict the model refuses (a wrong shape) is received and dropped with the rest of the stream: the update
+    is a 400 naming the tensor, nothing changed (the engine serves on), and the next update on the group lands."""
+    name = "model.embed_tokens.weight"
+    with RLServeClient(prime_server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S) as rl:
+        before = rl.weight_checksums()
+
+        def send_refused() -> None:
+            prime_rl_broadcast_state_dict_count(prime_trainer, 2)
+            prime_rl_broadcast_state_dict(prime_trainer, {name: torch.zeros(3, 5)})
+            prime_rl_broadcast_state_dict(prime_trainer, {"model.norm.weight": torch.zeros_like(new_weights[name][0])})
+
+        refused = _prime_rl_update(prime_server, tmp_path / "step_2", send_refused)
+        assert refused.status_code == 400 and name in refused.json()["error"]["message"], refused.text
+        assert rl.weight_checksums() == before
+        with prime_server.client() as admin:
+            completion = admin.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert completion.status_code == 200, completion.text
+        again = _prime_rl_update(
+            prime_server, tmp_path / "step_3", lambda: prime_rl_broadcast_weights(prime_trainer, new_weights)
+        )
+        assert again.status_code == 200, again.text
+        assert compare_checksums(weight_checksums(new_weights.items()), rl.weight_checksums())["match"]
+
+
+def prime_rl_broadcast_state_dict_count(trainer: StatelessTrainer, count: int) -> None:
+    trainer.broadcast(torch.tensor([count], dtype=torch.long))
+
+
+def test_prime_rl_liveness_and_lora_reload(prime_server: Server, server_model_dir: Path, tmp_path: Path) -> None:
+    assert httpx.get(prime_server.url + "/liveness", timeout=HTTP_TIMEOUT_S).json() == {"status": "ok"}
+    with prime_server.client() as admin:
+        for step in (1, 2):  # a fixed name, a new path per step: a reload in place
+            path = make_lora_dir(tmp_path / f"step_{step}", server_model_dir, rank=8, seed=step)
+            response = admin.post("/load_lora_adapter", json={"lora_name": "policy", "lora_path": path.as_posix()})
+            assert response.status_code == 200 and response.json() == {"status": "ok"}, response.text
+            cards = {card["id"]: card for card in admin.get("/v1/models").json()["data"]}
+            assert cards["policy"]["root"] == path.as_posix()
+
+
+# --- PipelineRL -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pipelinerl(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, object]]:
+    """PipelineRL's trainer (rank 0 of 2) and a server started with PipelineRL's flags, which joins as rank 1."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("fw-logs") / "pipelinerl.log"
+    args = ("--enable-rl-api", "--rl-api-auth", "none", "--actor-llm-idx", "0")
+    args += ("--weight-update-group-init-method", f"tcp://127.0.0.1:{port}", "--weight-update-group-world-size", "2")
+    with ThreadPoolExecutor(1) as pool:
+        trainer_future = pool.submit(StatelessTrainer, port, 2, TIMEOUT_S)
+        server = _start(server_model_dir, log, *args, api_key=None)
+        try:
+            _wait_healthy(server)
+            trainer = trainer_future.result(timeout=TIMEOUT_S)
+        except BaseException:
+            _stop(server)
+            raise
+    try:
+        yield server, trainer
+    finally:
+        trainer.shutdown()
+        _stop(server)
+
+
+def test_pipelinerl_receive_weight_update(pipelinerl: tuple[Server, StatelessTrainer], new_weights: dict) -> None:
+    server, trainer = pipelinerl
+    parameters_info = pipelinerl_parameters_info(new_weights)
+    message = {"kind": "weight_update_request", "version": 7, "parameters_info": parameters_info, "timestamp": 1.0}
+    with ThreadPoolExecutor(1) as pool:
+        posted = pool.submit(httpx.post, server.url + "/receive_weight_update", json=message, timeout=TIMEOUT_S)
+        for tensor in new_weights.values():  # send_weight_update: in parameters_info order
+            trainer.broadcast(tensor)
+        response = posted.result(timeout=TIMEOUT_S)
+    response.raise_for_status()
+    assert response.json() == {"status": "ok"}
+    with RLServeClient(server.url, timeout=HTTP_TIMEOUT_S) as rl:
+        assert compare_checksums(weight_checksums(new_weights.items()), rl.weight_checksums())["match"]
+        assert rl.get_weight_version() == "7"
+        assert not rl.is_paused()
+
+
+def test_pipelinerl_bad_dtype_is_a_400_before_any_pause(pipelinerl: tuple[Server, StatelessTrainer]) -> None:
+    server, _ = pipelinerl
+    info = [{"name": "model.norm.weight", "shape": [4], "dtype": "torch.complex_thing"}]
+    response = httpx.post(
+        server.url + "/receive_weight_update", json={"version": 8, "parameters_info": info}, timeout=TIMEOUT_S
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "parameters_info", response.text
+    with RLServeClient(server.url, timeout=HTTP_TIMEOUT_S) as rl:
+        assert not rl.is_paused()
