@@ -169,6 +169,11 @@ REFUSED_FIELDS: dict[str, Refused] = {
     "include_reasoning": Refused("reasoning is parsed on /v1/chat/completions only", (None, True)),
     "parallel_tool_calls": Refused("every tool call the model makes is returned: only true", (None, True)),
     "stream_interval": Refused("rlserve streams every token: only 1", (None, 1)),
+    # SGLang's fields, which vllm-router (0.1.17) adds to every completion and chat body it forwards, at these values
+    "no_stop_trim": Refused("stop strings are trimmed unless include_stop_str_in_output: only false", (None, False)),
+    "return_hidden_states": Refused("hidden states are not returned: only false", (None, False)),
+    "separate_reasoning": Refused("reasoning is separated whenever --reasoning-parser is set: only true", (None, True)),
+    "stream_reasoning": Refused("reasoning is streamed as it is generated: only true", (None, True)),
 }
 
 
