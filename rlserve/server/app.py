@@ -31,7 +31,7 @@ from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
-from rlserve.server.framework_routes import FrameworkState, build_framework_router
+from rlserve.server.framework_routes import FrameworkState, build_framework_router, build_skyrl_router
 from rlserve.server.generate_protocol import (
     GenerateChoice,
     GenerateRequest,
@@ -878,6 +878,7 @@ def build_app(
 
     app.include_router(build_vllm_router(serving, auth), responses=errors)
     app.include_router(build_lora_router(serving.adapters, auth), responses=errors)
+    app.include_router(build_skyrl_router(serving, auth), responses=errors)
     app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
     if enable_rl_api:
         rl_auth = auth if rl_api_keyed else make_auth([])

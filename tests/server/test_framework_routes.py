@@ -52,7 +52,7 @@ def new_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Ten
 def prime_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """prime-rl's server: no weight-transfer config (its /init_broadcaster picks the backend), LoRA on."""
     log = tmp_path_factory.mktemp("fw-logs") / "prime.log"
-    args = ("--enable-rl-api", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")
+    args = ("--enable-rl-api", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
     server = _start(server_model_dir, log, *args, api_key=API_KEY)
     try:
         _wait_healthy(server)
@@ -176,6 +176,27 @@ def test_prime_rl_liveness_and_lora_reload(prime_server: Server, server_model_di
             assert response.status_code == 200 and response.json() == {"status": "ok"}, response.text
             cards = {card["id"]: card for card in admin.get("/v1/models").json()["data"]}
             assert cards["policy"]["root"] == path.as_posix()
+
+
+def test_skyrl_lora_reload_and_fetch_weights_refusal(prime_server: Server, server_model_dir: Path, tmp_path) -> None:
+    """SkyRL a9564572: RemoteInferenceClient.update_lora_from_disk posts /skyrl/v1/load_lora_adapter {lora_name,
+    lora_path} (a reload in place keeps the adapter's id); fetch_weights posts /fetch_weights {target_version}, which
+    its server hands to its worker extension: without one defining fetch_weights, a 400 naming why."""
+    with prime_server.client() as admin:
+        ids = []
+        for step in (1, 2):
+            path = make_lora_dir(tmp_path / f"skyrl_{step}", server_model_dir, rank=8, seed=10 + step)
+            body = {"lora_name": "skyrl-policy", "lora_path": path.as_posix()}
+            response = admin.post("/skyrl/v1/load_lora_adapter", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["status"] == "ok" and response.json()["lora_name"] == "skyrl-policy"
+            ids.append(response.json()["lora_int_id"])
+        assert ids[0] == ids[1]
+        admin.post("/v1/unload_lora_adapter", json={"lora_name": "skyrl-policy"}).raise_for_status()
+        refused = admin.post("/fetch_weights", json={"target_version": 3})
+        assert refused.status_code == 400 and "fetch_weights" in refused.json()["error"]["message"], refused.text
+        missing = admin.post("/fetch_weights", json={})
+        assert missing.status_code == 400 and "target_version" in missing.text
 
 
 # --- PipelineRL -------------------------------------------------------------------------------------------------

@@ -90,3 +90,24 @@ def test_routed_experts_on_chat_and_the_last_stream_chunk(http) -> None:
                 chunks += json.loads(line[len("data: ") :])["choices"]
     assert [c["routed_experts"] is not None for c in chunks] == [c["finish_reason"] is not None for c in chunks]
     np.testing.assert_array_equal(decode(chunks[-1]["routed_experts"]), decode(completion(http)["routed_experts"]))
+
+
+def test_skyrl_generate_packs_routed_experts(http) -> None:
+    """SkyRL a9564572's RemoteInferenceClient._generate_single with enable_return_routed_experts: POST
+    /skyrl/v1/generate {sampling_params, model, token_ids}; it reads choices[0].token_ids, finish_reason,
+    logprobs.content[].logprob, and decodes routed_experts as generate_wire.decode_packed_routed_experts does (a
+    dict; base64 of the raw array in its canonical dtype: uint8 below 256 experts; shape [tokens, layers, top_k])."""
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
+    payload = {"sampling_params": sampling, "model": MODEL_NAME, "token_ids": PROMPT}
+    response = http.post("/skyrl/v1/generate", json=payload, headers={"X-Session-ID": "episode-1"})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert len(choice["token_ids"]) == MAX_TOKENS and choice["finish_reason"] == "length"
+    assert len([entry["logprob"] for entry in choice["logprobs"]["content"]]) == MAX_TOKENS
+    packed = choice["routed_experts"]
+    assert isinstance(packed, dict) and packed["dtype"] == "uint8"
+    shape = tuple(packed["shape"])
+    experts = np.frombuffer(base64.b64decode(packed["data"], validate=True), dtype=packed["dtype"]).reshape(shape)
+    reference = completion(http)  # rlserve's own field for the same greedy request
+    assert choice["token_ids"] == reference["token_ids"]
+    np.testing.assert_array_equal(experts, decode(reference["routed_experts"]))
