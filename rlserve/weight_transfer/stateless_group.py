@@ -51,10 +51,13 @@ class _StoreUnpickler(pickle.Unpickler):
 
 
 def _unpickle_unique_id(cls: type, state: tuple) -> NcclUniqueId:
-    """ctypes' own restore, for the unique id only (ctypes would restore any structure it is handed)."""
+    """ctypes' restore (`_ctypes._unpickle(cls, (__dict__, raw bytes))`), for the unique id only."""
     if cls is not NcclUniqueId:
         raise ValueError(f"the trainer's store holds a ctypes {cls!r}, not an NCCL unique id")
-    return ctypes._unpickle(cls, state)  # type: ignore[attr-defined]
+    raw = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+    if not isinstance(raw, bytes) or len(raw) != ctypes.sizeof(NcclUniqueId):
+        raise ValueError("the trainer's store holds an NCCL unique id that is not 128 bytes")
+    return NcclUniqueId.from_buffer_copy(raw)
 
 
 def decode_store_object(data: bytes) -> Any:
