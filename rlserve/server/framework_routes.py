@@ -61,11 +61,11 @@ _INIT_FIELDS = ("host", "port", "rank_offset", "inference_world_size", "timeout"
 class InitBroadcasterRequest(OpenAIBaseModel):
     """prime-rl's `/init_broadcaster` body (its `init_nccl_broadcast` client sends all but session_id)."""
 
-    host: StrictStr
-    port: StrictInt
-    rank_offset: StrictInt
-    inference_world_size: StrictInt
-    timeout: StrictInt | StrictFloat
+    host: StrictStr = Field(min_length=1)
+    port: StrictInt = Field(ge=1, le=65535)
+    rank_offset: StrictInt = Field(ge=0)
+    inference_world_size: StrictInt = Field(ge=1)
+    timeout: StrictInt | StrictFloat = Field(gt=0)  # seconds the rendezvous and each receive wait
     quantize_in_weight_transfer: StrictBool = False
     session_id: StrictStr = "default"
 
@@ -265,7 +265,9 @@ def start_pipelinerl_join(engine: AsyncLLM, args: argparse.Namespace, state: Fra
             raise
         logger.info("joined PipelineRL's weight-update group at %s", args.weight_update_group_init_method)
 
-    state.pipelinerl_join = asyncio.create_task(join())
+    task = state.pipelinerl_join = asyncio.create_task(join())
+    # Logged in join(); /receive_weight_update reports it. Retrieved here so asyncio does not report it again.
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 # --- SkyRL -------------------------------------------------------------------------------------------------------

@@ -21,9 +21,11 @@ from server_helpers import API_KEY, Server
 EXAMPLES_PER_OPERATION = 12
 CALL_TIMEOUT_S = 30.0
 # Operations that would stop the server answering the fuzzer's next requests: a pause or a sleep holds every
-# generation until a resume (tests/server/test_server_pause.py covers them), and init_weight_transfer_engine waits
-# minutes for a trainer to join its group.
-SKIPPED = frozenset({("POST", "/pause"), ("POST", "/sleep"), ("POST", "/init_weight_transfer_engine")})
+# generation until a resume (tests/server/test_server_pause.py covers them), and init_weight_transfer_engine (and
+# prime-rl's /init_broadcaster, tests/server/test_framework_routes.py) waits minutes for a trainer to join its group.
+SKIPPED = frozenset(
+    {("POST", "/pause"), ("POST", "/sleep"), ("POST", "/init_weight_transfer_engine"), ("POST", "/init_broadcaster")}
+)
 # Generation work is what the fuzzer's numbers multiply (n=16384 samples is a valid request): n is capped here and the
 # context is short, so that the run stays within its time; the limits themselves are tested by
 # test_server_robustness.py.
