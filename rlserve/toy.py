@@ -11,9 +11,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    FbgemmFp8Config,
+    FineGrainedFP8Config,
+    PreTrainedTokenizerFast,
+)
 
 from rlserve.lora.peft import SUPPORTED_TARGET_MODULES, load_peft_adapter
+from rlserve.model.fp8 import Fp8Scheme, quantize_checkpoint
 from rlserve.model.loader import iterate_checkpoint
 from rlserve.model.models import SUPPORTED_ARCHITECTURES
 
@@ -188,6 +195,20 @@ def make_model_dir(
     model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     if fields["vocab_size"] >= len(tokenizer):
         tokenizer.save_pretrained(path)
+    return path
+
+
+def make_fp8_model_dir(path: str | Path, model_dir: str | Path, method: str = "fp8") -> Path:
+    """A copy of toy model `model_dir` as an FP8 checkpoint (rlserve.model.fp8's `method` layout): projections in
+    float8_e4m3fn with their scales, config.json's quantization_config as transformers writes it."""
+    path, model_dir = Path(path), Path(model_dir)
+    shutil.copytree(model_dir, path, ignore=shutil.ignore_patterns("*.safetensors*"), dirs_exist_ok=True)
+    weights = dict(quantize_checkpoint(iterate_checkpoint(str(model_dir)), Fp8Scheme(method)))
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(path / "model.safetensors"), {"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    quantization = FineGrainedFP8Config() if method == "fp8" else FbgemmFp8Config()
+    config["quantization_config"] = json.loads(quantization.to_json_string())
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
