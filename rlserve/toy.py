@@ -68,6 +68,15 @@ PRESETS: dict[str, dict] = {
         rope_theta=1e6,
         tie_word_embeddings=True,
     ),
+    # Every projection whole 128x128 blocks, for block-wise FP8 (rlserve.model.fp8) on CPU.
+    "tiny-fp8": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+    ),
     # Qwen3-8B's shape: the tensor-parallel benchmark's model (BENCHMARKS.md).
     "qwen3-8b-shape": dict(
         vocab_size=151936,

@@ -58,7 +58,14 @@ DEFAULT_SCENARIOS = SCENARIOS[:4]
 # look smaller than on a trained model. Scaling the logits by these factors (powers of two) brings the mean entropy of
 # the toys' next-token distributions to 2-3 nats (uniform: 5.6 for the toy vocabulary, 11.9 for Qwen3's), with top-1
 # probabilities of 0.3-0.5: about as peaked as a trained model's.
-HEAD_SCALES = {"tiny": 16.0, "small": 16.0, "qwen3-0.6b-shape": 8.0, "tiny-moe": 16.0, "small-moe": 16.0}
+HEAD_SCALES = {
+    "tiny": 16.0,
+    "small": 16.0,
+    "tiny-fp8": 16.0,
+    "qwen3-0.6b-shape": 8.0,
+    "tiny-moe": 16.0,
+    "small-moe": 16.0,
+}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 T = TypeVar("T")
