@@ -175,12 +175,36 @@ def make_model_dir(
 ) -> Path:
     """Write a randomly initialised model (config, safetensors, tokenizer) that loads like any HF checkpoint.
     architecture: by default the preset's (see `preset_architecture`)."""
+    path = Path(path)
+    config = _preset_config(architecture, preset, **overrides)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # A small max_shard_size writes several shards plus model.safetensors.index.json, as large checkpoints are.
+    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    tokenizer = make_tokenizer()
+    if config.vocab_size >= len(tokenizer):
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def make_config_dir(path: str | Path, preset: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A preset's config and tokenizer without weights: for `load_format="dummy"` engines of shapes too large to
+    write (Qwen3-8B's)."""
+    path = Path(path)
+    config = _preset_config(None, preset)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def _preset_config(architecture: str | None, preset: str, **overrides) -> Any:
     architecture = architecture or preset_architecture(preset)
     if (architecture == "Qwen3MoeForCausalLM") != (preset in MOE_PRESETS):
         raise ValueError(
             f"architecture {architecture!r} does not fit preset {preset!r}: the MoE presets are {list(MOE_PRESETS)}"
         )
-    path = Path(path)
     tokenizer = make_tokenizer()
     fields = dict(
         vocab_size=len(tokenizer),
@@ -196,15 +220,7 @@ def make_model_dir(
     if architecture == "Qwen2ForCausalLM":
         fields.pop("head_dim", None)
         fields["hidden_size"] = fields["num_attention_heads"] * PRESETS[preset].get("head_dim", 16)
-    config = AutoConfig.for_model(SUPPORTED_ARCHITECTURES[architecture], architectures=[architecture], **fields)
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # A small max_shard_size writes several shards plus model.safetensors.index.json, as large checkpoints are.
-    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-    if fields["vocab_size"] >= len(tokenizer):
-        tokenizer.save_pretrained(path)
-    return path
+    return AutoConfig.for_model(SUPPORTED_ARCHITECTURES[architecture], architectures=[architecture], **fields)
 
 
 def make_fp8_model_dir(path: str | Path, model_dir: str | Path, method: str = "fp8") -> Path:

@@ -248,3 +248,15 @@ def test_sparse_update_of_fp8_weights(dirs, make_llm) -> None:
     finally:
         trainer.shutdown()
         llm.shutdown()
+
+
+def test_dummy_load_quantizes_its_random_weights(dirs, make_llm) -> None:
+    """load_format dummy (a trainer sends the weights first): random values in +-1e-3, quantized with their scales."""
+    llm = make_llm(dirs["old"], in_process=True, quantization="fp8", load_format="dummy")
+    try:
+        qkv = llm.engine_core.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == FP8_DTYPE and qkv.weight.float().abs().max() == 448.0
+        assert (qkv.weight_scale_inv > 0).all() and qkv.weight_scale_inv.max() <= 1e-3 / 448
+        assert _greedy(llm)
+    finally:
+        llm.shutdown()
