@@ -157,18 +157,28 @@ def _scaled_mm(
         return F.scaled_mm(
             xq, weight.t(), xs, recipe.RowWise, scale.reshape(1, -1), recipe.RowWise, output_dtype=out_dtype
         )
-    # cuBLASLt's block-scaled layouts: the activation scales [tokens, in/128] column-major, the weight's
-    # [in/128, out/128] column-major with the leading dimension a multiple of 4 (so weight_scale_inv, which is
-    # [out/128, in/128] row-major, is its transpose as is when in/128 is a multiple of 4, else padded).
-    xs_t = xs.t().contiguous().t()
-    in_blocks = scale.shape[1]
-    if in_blocks % 4:
-        padded = scale.new_zeros(scale.shape[0], -(-in_blocks // 4) * 4)
-        padded[:, :in_blocks] = scale
-        scale = padded[:, :in_blocks]
+    # cuBLASLt's block-scaled layouts, as torch's own tests build them: the activation scales [tokens, in/128]
+    # column-major, the weight's [in/128, out/128] column-major with its leading dimension a multiple of 4 (so
+    # weight_scale_inv, [out/128, in/128] row-major, is its transpose as is when in/128 is a multiple of 4).
     return F.scaled_mm(
-        xq, weight.t(), xs_t, recipe.BlockWise1x128, scale.t(), recipe.BlockWise128x128, output_dtype=out_dtype
+        xq,
+        weight.t(),
+        _padded_rows(xs.t()).t(),
+        recipe.BlockWise1x128,
+        _padded_rows(scale).t(),
+        recipe.BlockWise128x128,
+        output_dtype=out_dtype,
     )
+
+
+def _padded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (2-d) as a view of row-major storage whose rows are a multiple of 4 elements long (copied only if not)."""
+    cols = x.shape[1]
+    if x.is_contiguous() and cols % 4 == 0:
+        return x
+    storage = x.new_zeros(x.shape[0], -(-cols // 4) * 4)
+    storage[:, :cols] = x
+    return storage[:, :cols]
 
 
 def is_quantized_weight_name(name: str) -> bool:

@@ -260,3 +260,18 @@ def test_dummy_load_quantizes_its_random_weights(dirs, make_llm) -> None:
         assert _greedy(llm)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow  # two engines of two processes each: ~35 s on CI's two cores
+@pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+def test_two_tensor_parallel_ranks_hold_their_parts_of_the_same_quantization(dirs, make_llm, method: str) -> None:
+    """Each rank quantizes the whole checkpoint tensor and keeps its part (a per-channel scale covers the whole row,
+    a block never straddles two ranks): the gathered weights are one rank's, before and after a bf16 update."""
+    llm = make_llm(dirs["old"], tensor_parallel_size=2, quantization=method)
+    try:
+        assert llm.weight_checksums() == weight_checksums(_quantized(dirs["old"], method).items())
+        llm.load_weights(list(_checkpoint(dirs["new"]).items()))  # broadcast to the other rank, which keeps its part
+        assert llm.weight_checksums() == weight_checksums(_quantized(dirs["new"], method).items())
+        assert _greedy(llm)
+    finally:
+        llm.shutdown()

@@ -500,7 +500,7 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if gathered is None or gathered[0] is not param:
                 gathered = param, _all_gather_rows(self.tp, param.data)
-            slices = [module.shard_slice(param_name, sub, rank) for rank in range(self.tp.size)]
+            slices = [module.slice_of(param_name, sub, rank) for rank in range(self.tp.size)]
             full = torch.empty(slices[0].full_shape, dtype=param.dtype, device=param.device)
             for sl, part in zip(slices, gathered[1], strict=True):
                 if sl.length is None:  # replicated: every rank's is the whole
