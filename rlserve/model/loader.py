@@ -114,8 +114,12 @@ def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHT
     """vLLM's dummy load format: every weight uniform in +-DUMMY_WEIGHTS_RANGE, from a fixed seed (the same dummy
     model each start), so that the engine runs (meaninglessly) until real weights are pushed or reloaded."""
     generators: dict[torch.device, torch.Generator] = {}
+    seen: set[int] = set()  # a tied LM head is the embedding: drawn once, as model.parameters() gives it
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             device = param.device
             if device not in generators:  # made where the weights are: no host copy of a large model
                 generators[device] = torch.Generator(device=device).manual_seed(seed)

@@ -1,7 +1,8 @@
 """FP8 on the GPU: the tensor-core GEMMs (torch.nn.functional.scaled_mm, RowWise and BlockWise1x128 x
 BlockWise128x128) against the CPU reference path's arithmetic (rlserve.model.fp8.reference_matmul, the same
 dequantized operands multiplied in fp32) at Qwen3-8B's projection shapes, and a weight update of an FP8 engine that
-runs on CUDA graphs: the same storage (captured pointers), and outputs equal to a fresh engine of the new weights.
+runs on CUDA graphs: the same storage (captured pointers), and outputs equal to a fresh engine of the new weights;
+and the ipc backend's updates, bf16 and trainer-quantized.
 
     pytest -q tests/gpu/test_fp8_gpu.py
 """
@@ -12,11 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rlserve import LLM, SamplingParams
-from rlserve.model.fp8 import BLOCK, Fp8Scheme, fp8_linear, quantize_activation, reference_matmul
+from rlserve.config import WeightTransferConfig
+from rlserve.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+from rlserve.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+from rlserve.model.fp8 import BLOCK, Fp8Scheme, fp8_linear, quantize_activation, quantize_checkpoint, reference_matmul
 from rlserve.model.loader import iterate_checkpoint
+from rlserve.rl.fp8_weights import Fp8QuantizedSource
 from rlserve.toy import make_model_dir
+from rlserve.weight_transfer import compare_checksums, weight_checksums
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -84,5 +91,31 @@ def test_update_keeps_the_captured_pointers_and_outputs_equal_a_fresh_engine(
         assert _tokens(llm) == expected != before
         llm.load_weights(list(iterate_checkpoint(str(old))))
         assert _tokens(llm) == before
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_ipc_updates_bf16_and_trainer_quantized(dirs, packed: bool) -> None:
+    """The colocated ipc backend into an FP8 engine: the bf16 trainer's weights (quantized by the engine), then the same
+    weights quantized by the trainer (Fp8QuantizedSource); both equal the checkpoint quantized."""
+    old, new = dirs
+    ipc = WeightTransferConfig("ipc")
+    llm = LLM(
+        str(old), dtype="bfloat16", device="cuda:0", quantization="fp8", num_kv_blocks=256, weight_transfer_config=ipc
+    )
+    try:
+        trainer_model = AutoModelForCausalLM.from_pretrained(str(new), dtype=torch.bfloat16).to("cuda:0")
+        expected = weight_checksums(
+            (name, t.cpu()) for name, t in quantize_checkpoint(trainer_model.state_dict().items(), Fp8Scheme("fp8"))
+        )
+        for source in (ModuleSource(trainer_model), Fp8QuantizedSource(ModuleSource(trainer_model))):
+            init_info = IPCTrainerInitInfo(packed=packed, packed_buffer_size_bytes=4 << 20)
+            engine = WeightTransferTrainerFactory.trainer_init(init_info, client=llm, source=source)
+            llm.load_weights(list(iterate_checkpoint(str(old))))  # back to the old weights: the send must change them
+            assert llm.weight_checksums() != expected
+            engine.send_weights()
+            engine.shutdown()
+            assert compare_checksums(expected, llm.weight_checksums())["match"], type(source).__name__
     finally:
         llm.shutdown()

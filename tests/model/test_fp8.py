@@ -5,10 +5,12 @@ loads or refuses."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import FbgemmFp8Config, FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 
@@ -23,7 +25,9 @@ from rlserve.model.fp8 import (
     scheme_from_hf_config,
 )
 from rlserve.model.layers import MergedColumnParallelLinear, RowParallelLinear
+from rlserve.model.loader import load_model
 from rlserve.model.parallel import TensorParallelGroup
+from rlserve.toy import make_fp8_model_dir, make_model_dir
 
 BLOCK_WISE, PER_CHANNEL = Fp8Scheme("fp8"), Fp8Scheme("fbgemm_fp8")
 # e4m3 keeps 3 mantissa bits: a normal value rounds to within 2**-4 of itself; below 2**-6 (the smallest normal)
@@ -179,3 +183,14 @@ def test_checkpoint_configs_are_read_or_refused_by_name() -> None:
         with pytest.raises(ValueError, match=message):
             scheme_from_hf_config(requested, config)
     assert scheme_from_hf_config(None, FbgemmFp8Config(modules_to_not_convert=["lm_head"]).to_dict()) == PER_CHANNEL
+
+
+def test_an_fp8_checkpoint_without_a_scale_is_refused(tmp_path: Path) -> None:
+    fp8_dir = make_fp8_model_dir(tmp_path / "fp8", make_model_dir(tmp_path / "bf16", preset="tiny-fp8"))
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    model, _ = load_model(str(fp8_dir), "auto", torch.device("cpu"))  # the layout from quantization_config
+    assert model.model.layers[1].mlp.down_proj.fp8 == BLOCK_WISE
+    del tensors["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    save_file(tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks weights \\['model.layers.1.mlp.down_proj.weight_scale_inv'\\]"):
+        load_model(str(fp8_dir), "auto", torch.device("cpu"))
