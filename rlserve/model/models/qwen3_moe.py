@@ -95,8 +95,10 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             for j, sub in enumerate(subs)
         ]
 
-    def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        super().check_weights(self._per_expert_metadata(metadata))
+    def check_weights(
+        self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]], whole_update: bool = False
+    ) -> None:
+        super().check_weights(self._per_expert_metadata(metadata), whole_update)
 
     def _per_expert_metadata(
         self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
