@@ -132,8 +132,8 @@ def fp8_linear(
     x2 = x.reshape(-1, shape[-1])
     group = BLOCK if scheme.block_wise else None
     xq, xs = quantize_activation(x2, group)
-    if x.is_cuda:
-        y = _scaled_mm(xq, xs, weight, scale, scheme, x.dtype)
+    if x.is_cuda:  # the GEMM writes bf16 (what cuBLASLt's scaled GEMMs support everywhere); fp16/fp32 models cast
+        y = _scaled_mm(xq, xs, weight, scale, scheme, torch.bfloat16).to(x.dtype)
     else:
         y = reference_matmul(xq, xs, weight, scale, scheme).to(x.dtype)
     if bias is not None:
@@ -150,7 +150,12 @@ def reference_matmul(
 
 
 def _scaled_mm(
-    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, out_dtype
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    scheme: Fp8Scheme,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     recipe = F.ScalingType
     if not scheme.block_wise:
