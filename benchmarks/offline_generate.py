@@ -6,23 +6,32 @@ instruments the runner for its roofline, runs the core in process; this measures
 
 --lora-rank R runs every request under one random rank-R adapter of every projection (enable_lora, one slot): the
 cost of serving a LoRA policy against the base model's W1 in another run.
+
+--quantization takes a comma-separated list (none for the model dtype) run one after another in the same call, each
+with its warm-up and timed runs, and prints each one's median against the first's: FP8 against bf16 on the Qwen3-8B
+shape, with random weights and nothing read from disk (--load-format dummy writes only the config):
+
+    python benchmarks/offline_generate.py --device cuda --preset qwen3-8b-shape --load-format dummy \
+        --quantization none,fp8,fbgemm_fp8 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from throughput import W1_ENGINE, workloads
 
 from rlserve import LLM, LoRARequest
 from rlserve.engine.core_proc import multiprocessing_enabled
-from rlserve.toy import make_lora_dir, make_model_dir
+from rlserve.toy import make_config_dir, make_lora_dir, make_model_dir
 
 
 def main() -> None:
@@ -34,35 +43,57 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of W1's 1,024 prompts")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs after one untimed warm-up")
     ap.add_argument("--lora-rank", type=int, default=0, help="every request under one adapter of this rank (0: none)")
+    ap.add_argument("--quantization", default="none", help="comma-separated: none, fp8, fbgemm_fp8 (one engine each)")
+    ap.add_argument(
+        "--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights, only a config written"
+    )
     args = ap.parse_args()
     logging.basicConfig(format="%(message)s")
     logging.getLogger("rlserve.engine.core_proc").setLevel(logging.INFO)  # the core's start-up time, by phase
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    model = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
+    if args.model_dir:
+        model = args.model_dir
+    elif args.load_format == "dummy":  # the config and tokenizer only: the engine makes up the weights
+        model = str(make_config_dir(Path(tempfile.mkdtemp()) / args.preset, args.preset, getattr(torch, dtype)))
+    else:
+        model = str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
     vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
-    t0 = time.perf_counter()
     lora_engine, lora_request = {}, None
     if args.lora_rank:
         adapter = make_lora_dir(tempfile.mkdtemp(), model, rank=args.lora_rank, std=0.01)
         lora_engine = dict(enable_lora=True, max_loras=1, max_lora_rank=args.lora_rank)
         lora_request = LoRARequest("policy", 1, str(adapter))
-    llm = LLM(model, device=args.device, dtype=dtype, **W1_ENGINE, **lora_engine)
-    mode = "own process" if multiprocessing_enabled() else "in process"
-    if lora_request is not None:
-        mode += f", every request under a rank-{args.lora_rank} adapter"
-    print(f"engine start {time.perf_counter() - t0:.1f} s (core {mode})", flush=True)
     prompts, params = workloads("W1", vocab, args.scale, seed=0)
-    rates = []
-    for i in range(args.repeats + 1):
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
-        dt = time.perf_counter() - t
-        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        print(f"run {i} ({'untimed warm-up' if i == 0 else 'timed'}): {tokens / dt:,.0f} tok/s", flush=True)
-        rates.append(tokens / dt)
-    llm.shutdown()
-    print(f"W1 LLM.generate, core {mode}: {statistics.median(rates[1:]):,.0f} output tok/s (median of {args.repeats})")
+    medians = {}
+    for quantization in args.quantization.split(","):
+        t0 = time.perf_counter()
+        engine = dict(quantization=None if quantization == "none" else quantization, load_format=args.load_format)
+        llm = LLM(model, device=args.device, dtype=dtype, **W1_ENGINE, **lora_engine, **engine)
+        mode = "own process" if multiprocessing_enabled() else "in process"
+        if lora_request is not None:
+            mode += f", every request under a rank-{args.lora_rank} adapter"
+        print(f"[{quantization}] engine start {time.perf_counter() - t0:.1f} s (core {mode})", flush=True)
+        rates = []
+        for i in range(args.repeats + 1):
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
+            dt = time.perf_counter() - t
+            tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            print(f"run {i} ({'untimed warm-up' if i == 0 else 'timed'}): {tokens / dt:,.0f} tok/s", flush=True)
+            rates.append(tokens / dt)
+        llm.shutdown()
+        del llm
+        gc.collect()  # one engine's weights and KV cache on the device at a time
+        medians[quantization] = statistics.median(rates[1:])
+        print(
+            f"W1 LLM.generate [{quantization}], core {mode}: {medians[quantization]:,.0f} output tok/s (median of "
+            f"{args.repeats})",
+            flush=True,
+        )
+    first = next(iter(medians))
+    for quantization, rate in medians.items():
+        print(f"{quantization}: {rate:,.0f} output tok/s, {rate / medians[first]:.2f}x {first}")
 
 
 if __name__ == "__main__":

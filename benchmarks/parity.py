@@ -12,8 +12,12 @@ Hugging Face transformers in fp32, one forward per sequence. Modes (W6):
   fp32 LM head    the bf16 engine with lm_head_dtype="float32"
   deterministic   the bf16 engine in batch-invariant mode against rlserve's batch-invariant trainer-side forward in
                   bf16 (`--scenarios` batch_invariant; its reference is that forward, not the HF trainer)
-`--scenarios` takes any of the parity scenarios (raw_vs_processed, prefix_cache, batch_invariant) for the same model
-and device.
+  fp8             the bf16 engine with FP8 projections (`--scenarios fp8`, `--fp8-method`), as loaded and after ten
+                  weight updates of bf16 weights it quantizes, the last back to the trainer's weights (rows equal: no
+                  drift from requantization)
+`--scenarios` takes any of the parity scenarios (raw_vs_processed, prefix_cache, batch_invariant, fp8) for the same
+model and device.
+FP8 vs bf16 (W6 FP8 row): python benchmarks/parity.py --device cuda --scenarios lm_head,fp8 --out parity-fp8.json
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ MODE_NAMES = {
     "lm_head/fp16": "fp16",
     "lm_head/fp32": "fp32 LM head",
     "batch_invariant": "deterministic",
+    "fp8/load": "fp8",
+    "fp8/10_updates": "fp8 after 10 updates",
 }
 
 
@@ -75,6 +81,7 @@ def main() -> int:
     ap.add_argument(
         "--scenarios", default="lm_head,batch_invariant", help=f"comma-separated subset of {','.join(SCENARIOS)}"
     )
+    ap.add_argument("--fp8-method", default="fp8", choices=["fp8", "fbgemm_fp8"], help="the fp8 scenario's layout")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -111,6 +118,7 @@ def main() -> int:
         dtype=args.dtype,
         trainer=args.trainer,
         trainer_dtype=args.trainer_dtype,
+        fp8_method=args.fp8_method,
     )
     rows: dict[str, ParityStats | None] = {MODE_NAMES.get(name, name): s for name, s in results.items()}
     print(format_table(results, row_setups(args.dtype, args.trainer, args.trainer_dtype, args.temperature)), flush=True)

@@ -19,6 +19,12 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # vLLM's --load-format values that rlserve implements: "auto" and "safetensors" read the checkpoint's safetensors
 # files; "dummy" reads none (random weights of the right shapes) for a trainer that pushes the real ones first.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# --quantization values rlserve implements (vLLM's names): FP8 projections block-wise 128x128 (fp8, DeepSeek-V3's
+# and Qwen3-FP8's layout) or per-channel (fbgemm_fp8), both with activations quantized per token (rlserve.model.fp8);
+# and PipelineRL's bf16_last_layer_fp32, which is the engine fields it sets: bf16 weights and activations, the LM head
+# (and so the logprobs) in fp32.
+QUANTIZATIONS = ("fp8", "fbgemm_fp8", "bf16_last_layer_fp32")
+QUANTIZATION_FIELDS = {"bf16_last_layer_fp32": {"dtype": "bfloat16", "lm_head_dtype": "float32"}}
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,15 @@ class EngineConfig:
     lm_head_dtype: str | None = _option(
         None, "float32 runs the LM head in fp32 (default: the model's dtype)", ("float32", "auto")
     )
+    quantization: str | None = _option(
+        None,
+        "fp8: the decoder's projections in FP8 with 128x128 block scales (weight_scale_inv), activations per token "
+        "and 128 features; fbgemm_fp8: per-channel weight scales (weight_scale), activations per token. A checkpoint "
+        "in the model dtype is quantized at load and on every weight update; an FP8 checkpoint (its config's "
+        "quantization_config) loads as it is, also without this. The LM head stays in the model dtype. "
+        "bf16_last_layer_fp32: dtype bfloat16 with lm_head_dtype float32",
+        QUANTIZATIONS,
+    )
     enforce_eager: bool = _option(False, "no CUDA graphs")
     async_scheduling: bool = _option(
         True,
@@ -297,6 +312,7 @@ class EngineConfig:
             choices, value = f.metadata.get("choices"), getattr(self, f.name)
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+        self._apply_quantization()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "stream_interval"):
             if getattr(self, name) < 1 and name != "max_logprobs":
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -367,6 +383,19 @@ class EngineConfig:
             raise ValueError(
                 f"device: data-parallel core {self.data_parallel_rank} runs on cuda:{first_gpu}, not {self.device}; "
                 "give device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+
+    def _apply_quantization(self) -> None:
+        """bf16_last_layer_fp32 is the fields it sets (a conflicting value given for one is refused); FP8 GEMMs are
+        not batch-invariant."""
+        for name, value in QUANTIZATION_FIELDS.get(self.quantization, {}).items():
+            given = getattr(self, name)
+            if given not in (value, next(f.default for f in fields(self) if f.name == name)):
+                raise ValueError(f"quantization {self.quantization} sets {name} {value}, but {name} {given} was given")
+            object.__setattr__(self, name, value)
+        if self.quantization in ("fp8", "fbgemm_fp8") and self.batch_invariant:
+            raise ValueError(
+                f"quantization {self.quantization}: not with batch_invariant (the FP8 GEMMs are not batch-invariant)"
             )
 
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:

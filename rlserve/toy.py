@@ -11,9 +11,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    FbgemmFp8Config,
+    FineGrainedFP8Config,
+    PreTrainedTokenizerFast,
+)
 
 from rlserve.lora.peft import SUPPORTED_TARGET_MODULES, load_peft_adapter
+from rlserve.model.fp8 import Fp8Scheme, quantize_checkpoint
 from rlserve.model.loader import iterate_checkpoint
 from rlserve.model.models import SUPPORTED_ARCHITECTURES
 
@@ -60,6 +67,15 @@ PRESETS: dict[str, dict] = {
         head_dim=128,
         rope_theta=1e6,
         tie_word_embeddings=True,
+    ),
+    # Every projection whole 128x128 blocks, for block-wise FP8 (rlserve.model.fp8) on CPU.
+    "tiny-fp8": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
     ),
     # Qwen3-8B's shape: the tensor-parallel benchmark's model (BENCHMARKS.md).
     "qwen3-8b-shape": dict(
@@ -159,12 +175,36 @@ def make_model_dir(
 ) -> Path:
     """Write a randomly initialised model (config, safetensors, tokenizer) that loads like any HF checkpoint.
     architecture: by default the preset's (see `preset_architecture`)."""
+    path = Path(path)
+    config = _preset_config(architecture, preset, **overrides)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # A small max_shard_size writes several shards plus model.safetensors.index.json, as large checkpoints are.
+    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+    tokenizer = make_tokenizer()
+    if config.vocab_size >= len(tokenizer):
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def make_config_dir(path: str | Path, preset: str, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A preset's config and tokenizer without weights: for `load_format="dummy"` engines of shapes too large to
+    write (Qwen3-8B's)."""
+    path = Path(path)
+    config = _preset_config(None, preset)
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return path
+
+
+def _preset_config(architecture: str | None, preset: str, **overrides) -> Any:
     architecture = architecture or preset_architecture(preset)
     if (architecture == "Qwen3MoeForCausalLM") != (preset in MOE_PRESETS):
         raise ValueError(
             f"architecture {architecture!r} does not fit preset {preset!r}: the MoE presets are {list(MOE_PRESETS)}"
         )
-    path = Path(path)
     tokenizer = make_tokenizer()
     fields = dict(
         vocab_size=len(tokenizer),
@@ -180,14 +220,20 @@ def make_model_dir(
     if architecture == "Qwen2ForCausalLM":
         fields.pop("head_dim", None)
         fields["hidden_size"] = fields["num_attention_heads"] * PRESETS[preset].get("head_dim", 16)
-    config = AutoConfig.for_model(SUPPORTED_ARCHITECTURES[architecture], architectures=[architecture], **fields)
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # A small max_shard_size writes several shards plus model.safetensors.index.json, as large checkpoints are.
-    model.save_pretrained(path, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
-    if fields["vocab_size"] >= len(tokenizer):
-        tokenizer.save_pretrained(path)
+    return AutoConfig.for_model(SUPPORTED_ARCHITECTURES[architecture], architectures=[architecture], **fields)
+
+
+def make_fp8_model_dir(path: str | Path, model_dir: str | Path, method: str = "fp8") -> Path:
+    """A copy of toy model `model_dir` as an FP8 checkpoint (rlserve.model.fp8's `method` layout): projections in
+    float8_e4m3fn with their scales, config.json's quantization_config as transformers writes it."""
+    path, model_dir = Path(path), Path(model_dir)
+    shutil.copytree(model_dir, path, ignore=shutil.ignore_patterns("*.safetensors*"), dirs_exist_ok=True)
+    weights = dict(quantize_checkpoint(iterate_checkpoint(str(model_dir)), Fp8Scheme(method)))
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(path / "model.safetensors"), {"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    quantization = FineGrainedFP8Config() if method == "fp8" else FbgemmFp8Config()
+    config["quantization_config"] = json.loads(quantization.to_json_string())
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

@@ -53,6 +53,7 @@ FLAG_ALIASES: tuple[FlagAlias, ...] = (
     FlagAlias("-tp", "tensor_parallel_size"),
     FlagAlias("-dpb", "data_parallel_backend"),  # vLLM's short form
     FlagAlias("-ep", "enable_expert_parallel", True),
+    FlagAlias("-q", "quantization"),
 )
 
 

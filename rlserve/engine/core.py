@@ -562,9 +562,9 @@ class EngineCore:
         info = transfer.parse_update_info(update_info)
         with self.runner.on_device():
             try:
+                metadata = zip(info.names, info.shapes, info.dtype_names, strict=True)
                 self.runner.model.check_weights(
-                    (n, tuple(s), dtype_from_name(d))
-                    for n, s, d in zip(info.names, info.shapes, info.dtype_names, strict=True)
+                    ((n, tuple(s), dtype_from_name(d)) for n, s, d in metadata), whole_update=True
                 )
             except ValueError:
                 # The trainer may already be sending: take its bytes and drop them (on every rank, which has

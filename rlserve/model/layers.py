@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.model import batch_invariant
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, Fp8Scheme, fp8_linear
 from rlserve.model.lora import LoRASlots
 from rlserve.model.parallel import TensorParallelGroup
 
@@ -130,17 +131,38 @@ def norm_and_rotate_qk(
 
 class Linear(nn.Linear):
     """nn.Linear that switches to the batch-invariant matmul (rlserve.model.batch_invariant) when its model is put in
-    batch-invariant mode (DecoderForCausalLM.set_batch_invariant), and adds each token's LoRA delta when its model
-    holds adapters (DecoderForCausalLM.enable_lora) and the forward has a `lora_mask`."""
+    batch-invariant mode (DecoderForCausalLM.set_batch_invariant), adds each token's LoRA delta when its model
+    holds adapters (DecoderForCausalLM.enable_lora) and the forward has a `lora_mask`, and multiplies in FP8 once
+    `quantize_fp8` has made its weight float8 with scales (rlserve.model.fp8)."""
 
     batch_invariant = False
     lora: LoRASlots | None = None
+    fp8: Fp8Scheme | None = None
+
+    def quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        """Make the weight float8_e4m3fn with a scale parameter (`scheme.scale_name`) beside it, on the device it is
+        on (the meta device, before the loader gives the model storage)."""
+        weight = self.weight
+        self.weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device), False)
+        shape = scheme.scale_shape(*weight.shape)
+        scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=weight.device), False)
+        self.register_parameter(scheme.scale_name, scale)
+        self.fp8 = scheme
+
+    @property
+    def fp8_scale(self) -> torch.Tensor:
+        return getattr(self, self.fp8.scale_name)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias, in FP8, batch-invariant or plain."""
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.fp8_scale, bias, self.fp8)
+        if self.batch_invariant:
+            return batch_invariant.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_invariant:
-            y = batch_invariant.linear(x, self.weight, self.bias)
-        else:
-            y = super().forward(x)
+        y = self.project(x, self.bias)
         if lora_mask is not None and self.lora is not None:
             y = self.lora.apply(x, y, lora_mask, self.batch_invariant)
         return y
@@ -175,12 +197,46 @@ class ShardedWeights:
     def shard_slice(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
         raise NotImplementedError
 
+    def slice_of(self, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
+        """`shard_slice`, and for an FP8 weight's scales the slice of the scale tensor that goes with the weight's."""
+        scheme = getattr(self, "fp8", None)
+        if scheme is None or param_name != scheme.scale_name:
+            return self.shard_slice(param_name, shard_id, rank)
+        return _scale_slice(self.shard_slice("weight", shard_id, rank), scheme)
+
+    def check_fp8_blocks(self) -> None:
+        """Block-wise FP8 needs every checkpoint tensor's part on this rank to be whole 128x128 blocks: a block across
+        two tensors of a fused layer (or two ranks) would have no one scale."""
+        for shard_id in self.shard_ids or (None,):
+            sl = self.shard_slice("weight", shard_id, self.tp.rank)
+            rows = sl.full_shape[0] if sl.length is None or sl.dim != 0 else sl.length
+            cols = self.weight.shape[1]  # type: ignore[attr-defined]
+            if rows % BLOCK or cols % BLOCK or (sl.length is not None and (sl.start % BLOCK or sl.offset % BLOCK)):
+                raise ValueError(
+                    f"quantization fp8: block-wise 128x128 scales need a projection's rows and columns (per tensor "
+                    f"and rank) to be multiples of 128; {shard_id or type(self).__name__} has {rows}x{cols} here "
+                    "(fbgemm_fp8, per-channel, has no such constraint)"
+                )
+
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
         """vLLM's per-parameter loader: copy this rank's part of the checkpoint tensor into the parameter, in place."""
         name = next(n for n, p in self.named_parameters(recurse=False) if p is param)  # type: ignore[attr-defined]
-        sl = self.shard_slice(name, shard_id, self.tp.rank)
+        sl = self.slice_of(name, shard_id, self.tp.rank)
         sl.of_param(param.data).copy_(sl.of_checkpoint(loaded_weight))
+
+
+def _scale_slice(weight: ShardSlice, scheme: Fp8Scheme) -> ShardSlice:
+    """Where the scales of `weight`'s part sit: the same rows and columns in blocks of 128 (block-wise), or the same
+    rows and the one column (per-channel, whose scale covers a whole row, so a split of the columns shares it)."""
+    full = scheme.scale_shape(*weight.full_shape)
+    if weight.length is None:
+        return ShardSlice(full)
+    if scheme.block_wise:
+        return ShardSlice(full, weight.dim, weight.start // BLOCK, weight.length // BLOCK, weight.offset // BLOCK)
+    if weight.dim == 0:
+        return ShardSlice(full, 0, weight.start, weight.length, weight.offset)
+    return ShardSlice(full)
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -284,12 +340,7 @@ class RowParallelLinear(ShardedWeights, Linear):
         if self.tp.size == 1:
             return super().forward(x, lora_mask)
         # No adapters under tensor parallelism (EngineConfig refuses enable_lora with it).
-        bias = self.bias if self.tp.rank == 0 else None
-        if self.batch_invariant:
-            y = batch_invariant.linear(x, self.weight, bias)
-        else:
-            y = F.linear(x, self.weight, bias)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.project(x, self.bias if self.tp.rank == 0 else None))
 
 
 class VocabParallelEmbedding(ShardedWeights, nn.Module):

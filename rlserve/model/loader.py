@@ -11,7 +11,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from rlserve.dtypes import TORCH_DTYPES
-from rlserve.model.layers import RotaryEmbedding
+from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme, scheme_from_hf_config
+from rlserve.model.layers import Linear, RotaryEmbedding
 from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
 
@@ -74,9 +75,11 @@ def build_model(
     device: torch.device,
     tp: TensorParallelGroup | None = None,
     ep: TensorParallelGroup | None = None,
+    fp8: Fp8Scheme | None = None,
 ) -> DecoderForCausalLM:
     """Allocate the model (this rank's part of it, under tensor parallelism `tp`, and of the experts under expert
-    parallelism `ep`) on the device without initialising it; the caller loads weights next."""
+    parallelism `ep`; its projections in FP8 with `fp8`) on the device without initialising it; the caller loads
+    weights next."""
     spec = spec_from_hf_config(cfg)
     rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, device)
     extra = {}
@@ -86,26 +89,52 @@ def build_model(
         extra["ep"] = ep
     with torch.device("meta"):
         model = MODEL_CLASSES[spec.architecture](spec, rotary, tp, **extra)
+        if fp8 is not None:
+            model.quantize_fp8(fp8)
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            storage = torch.empty(param.shape, dtype=dtype if param.is_floating_point() else param.dtype, device=device)
+            storage = torch.empty(param.shape, dtype=_storage_dtype(module, name, param, dtype), device=device)
             setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
     if spec.tie_word_embeddings:  # parameters were re-created: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
 
+def _storage_dtype(module: torch.nn.Module, name: str, param: torch.nn.Parameter, dtype: torch.dtype) -> torch.dtype:
+    """The model dtype for floating-point parameters, except an FP8 projection's weight and scales, which keep
+    theirs (float8_e4m3fn, fp32)."""
+    if not param.is_floating_point() or (getattr(module, "fp8", None) is not None and name != "bias"):
+        return param.dtype
+    return dtype
+
+
 def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHTS_SEED) -> None:
     """vLLM's dummy load format: every weight uniform in +-DUMMY_WEIGHTS_RANGE, from a fixed seed (the same dummy
     model each start), so that the engine runs (meaninglessly) until real weights are pushed or reloaded."""
     generators: dict[torch.device, torch.Generator] = {}
-    for param in model.parameters():
-        device = param.device
-        if device not in generators:  # made where the weights are: no host copy of a large model
-            generators[device] = torch.Generator(device=device).manual_seed(seed)
-        param.data.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generators[device])
+    seen: set[int] = set()  # a tied LM head is the embedding: drawn once, as model.parameters() gives it
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            device = param.device
+            if device not in generators:  # made where the weights are: no host copy of a large model
+                generators[device] = torch.Generator(device=device).manual_seed(seed)
+            if param.dtype == FP8_DTYPE:  # dummy values in fp32, quantized with their scales
+                _dummy_fp8(module, generators[device])
+            elif not (isinstance(module, Linear) and module.fp8 is not None and name == module.fp8.scale_name):
+                param.data.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generators[device])
+
+
+def _dummy_fp8(module: Linear, generator: torch.Generator) -> None:
+    weight = torch.empty(module.weight.shape, device=module.weight.device)
+    weight.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generator)
+    q, scale = module.fp8.quantize(weight)
+    module.weight.data.copy_(q)
+    module.fp8_scale.data.copy_(scale)
 
 
 def load_model(
@@ -115,12 +144,16 @@ def load_model(
     tp: TensorParallelGroup | None = None,
     load_format: str = "auto",
     ep: TensorParallelGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[DecoderForCausalLM, PretrainedConfig]:
     """dtype: a torch dtype, or an engine dtype name ("auto" takes the checkpoint's). Under tensor parallelism each
     rank reads the whole checkpoint tensors and keeps its part of each. load_format "dummy": random weights of the
-    right shapes, no checkpoint read (the config still comes from `model_dir`)."""
+    right shapes, no checkpoint read (the config still comes from `model_dir`). quantization: an FP8 method
+    (rlserve.model.fp8) quantizes a checkpoint in the model dtype as each tensor arrives; an FP8 checkpoint (its
+    config's `quantization_config`) is loaded as it is, whether or not one is given."""
     cfg = load_hf_config(model_dir)
-    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device, tp, ep)
+    fp8 = scheme_from_hf_config(quantization, getattr(cfg, "quantization_config", None))
+    model = build_model(cfg, resolve_dtype(dtype, cfg) if isinstance(dtype, str) else dtype, device, tp, ep, fp8)
     if load_format == "dummy":
         initialize_dummy_weights(model)
         return model, cfg
@@ -128,7 +161,7 @@ def load_model(
     loaded: set[str] = set()
     for name, tensor in iterate_checkpoint(model_dir):
         if model.load_weights([(name, tensor)]):
-            loaded.update(model.written_names(name))
+            loaded.update(model.written_names(name, tensor.dtype))
     missing = names - loaded
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir!r} lacks weights {sorted(missing)[:5]}")

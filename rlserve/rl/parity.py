@@ -12,6 +12,9 @@ The trainer-side API (`compare_logprobs`, `trainer_logprobs`) is `rlserve.rl.tra
   forgets the reset would, which leaves KV computed under the old weights in the cache.
 - batch_invariant: the engine in batch-invariant mode against its reference, rlserve's batch-invariant trainer-side
   forward in the engine's dtype (not `trainer`): zero difference, bit for bit.
+- fp8: a 16-bit engine with FP8 projections (`quantization`, rlserve.model.fp8), as loaded ("load") and after ten
+  weight updates of bf16 weights that it quantizes itself, the last of them back to the trainer's weights
+  ("10_updates"): requantizing each update from what was sent leaves no drift, so the two rows are equal.
 - moe_replay (a MoE model): a 16-bit engine's rollouts with their routed experts, scored by rlserve's forward routing
   each token itself ("off") and replaying the engine's routing ("on", R3). A token whose top-k the two sides' roundings
   flip goes through other experts, the main train/inference mismatch of MoE models; replay removes it.
@@ -44,6 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlserve.dtypes import TORCH_DTYPES
 from rlserve.engine.llm import LLM, load_tokenizer
 from rlserve.hub import resolve_model
+from rlserve.model.fp8 import FP8_METHODS
 from rlserve.model.loader import checkpoint_files, iterate_checkpoint
 from rlserve.model.models.llama import DecoderForCausalLM
 from rlserve.rl.train_forward import load_training_model
@@ -51,14 +55,26 @@ from rlserve.rl.trainer_logprobs import ParityStats, TokenIds, compare_logprobs,
 from rlserve.sampling_params import SamplingParams
 from rlserve.toy import make_model_dir
 
-SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache", "batch_invariant", "moe_replay")
-# What runs unless asked otherwise: the dense model's scenarios (moe_replay needs a MoE model).
+SCENARIOS = ("raw_vs_processed", "lm_head", "prefix_cache", "batch_invariant", "moe_replay", "fp8")
+# What runs unless asked otherwise: the dense model's scenarios (moe_replay needs a MoE model, fp8 one whose
+# projections are whole 128x128 blocks).
 DEFAULT_SCENARIOS = SCENARIOS[:4]
+# The fp8 scenario's weight updates; and the preset `rlserve parity` builds for it (the small one's k/v projections
+# have 64 rows, not a whole block).
+FP8_UPDATES = 10
+FP8_PRESET = "tiny-fp8"
 # Random models give near-uniform next-token distributions, where every logprob is about -log(vocab) and mismatches
 # look smaller than on a trained model. Scaling the logits by these factors (powers of two) brings the mean entropy of
 # the toys' next-token distributions to 2-3 nats (uniform: 5.6 for the toy vocabulary, 11.9 for Qwen3's), with top-1
 # probabilities of 0.3-0.5: about as peaked as a trained model's.
-HEAD_SCALES = {"tiny": 16.0, "small": 16.0, "qwen3-0.6b-shape": 8.0, "tiny-moe": 16.0, "small-moe": 16.0}
+HEAD_SCALES = {
+    "tiny": 16.0,
+    "small": 16.0,
+    "tiny-fp8": 16.0,
+    "qwen3-0.6b-shape": 8.0,
+    "tiny-moe": 16.0,
+    "small-moe": 16.0,
+}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 T = TypeVar("T")
@@ -253,6 +269,7 @@ def run_parity(
     seed: int = 0,
     shared_prefix_len: int = 64,
     update_scale: float = 0.05,
+    fp8_method: str = "fp8",
     **engine_kwargs: Any,
 ) -> dict[str, ParityStats]:
     """Sample rollouts with rlserve per scenario and compare their logprobs with the trainer's; rows by name.
@@ -266,6 +283,8 @@ def run_parity(
       batch_invariant                                       engine batch_invariant=True vs rlserve's forward of it
       moe_replay/off, moe_replay/on                         16-bit MoE engine vs rlserve's forward in trainer_dtype,
                                                             routing itself / replaying the engine's routed experts
+      fp8/load, fp8/10_updates                              16-bit engine with `fp8_method` projections, as loaded /
+                                                            after FP8_UPDATES updates ending at the same weights
     For prefix_cache the prompts get a shared prefix of `shared_prefix_len` random tokens, and the weight update adds
     noise of `update_scale` x RMS to every tensor (trainer and engine get the same new weights). `engine_kwargs` go to
     every `LLM` (e.g. attention_backend, enforce_eager).
@@ -349,6 +368,20 @@ def run_parity(
         rollouts = engines.run(sample_once, dtype=dtype, logprobs_mode="processed_logprobs", batch_invariant=True)
         own = load_training_model(model_dir, TORCH_DTYPES[dtype], device, batch_invariant=True)
         results["batch_invariant"] = score(rollouts, own)
+    if "fp8" in scenarios:
+        checkpoint = list(iterate_checkpoint(model_dir))
+
+        def across_updates(llm: LLM) -> dict[str, Rollouts]:
+            loaded = sample_once(llm)
+            for k in range(FP8_UPDATES - 1):  # bf16 (the checkpoint's dtype) weights the engine quantizes
+                llm.load_weights(perturbed_weights(model_dir, update_scale, seed + k))
+            llm.load_weights(checkpoint)
+            return {"load": loaded, "10_updates": sample_once(llm)}
+
+        half = lm_head_scenario_dtype(dtype)
+        rounds = engines.run(across_updates, dtype=half, logprobs_mode="processed_logprobs", quantization=fp8_method)
+        for name, rollouts in rounds.items():
+            results[f"fp8/{name}"] = score(rollouts)
     if "moe_replay" in scenarios:
         if AutoConfig.from_pretrained(model_dir).architectures[0] != "Qwen3MoeForCausalLM":
             raise ValueError(f"scenarios: moe_replay needs a MoE model (Qwen3MoeForCausalLM), {model_dir!r} is not one")
@@ -400,6 +433,8 @@ def row_setups(dtype: str, trainer: str, trainer_dtype: str, temperature: float)
         "batch_invariant": RowSetup(engine, f"rlserve-bi-{engine}", "=0"),
         "moe_replay/off": RowSetup(half, f"rlserve-{_SHORT[trainer_dtype]}", "?"),
         "moe_replay/on": RowSetup(half, f"rlserve-{_SHORT[trainer_dtype]}+replay", "?"),
+        "fp8/load": RowSetup(f"{half}+fp8", reference, "?"),
+        "fp8/10_updates": RowSetup(f"{half}+fp8", reference, "?"),
     }
 
 
@@ -456,6 +491,7 @@ SCENARIO_WHAT = {
     "prefix_cache": "prefix cache across a weight update: reset, off, stale (2 engines)",
     "batch_invariant": "batch-invariant engine vs its trainer-side forward (1 engine)",
     "moe_replay": "16-bit MoE engine vs rlserve's forward routing itself / replaying the engine's routing (1 engine)",
+    "fp8": f"16-bit engine with FP8 projections, as loaded and after {FP8_UPDATES} weight updates (1 engine)",
 }
 
 
@@ -471,25 +507,29 @@ def cmd_parity(args: argparse.Namespace) -> int:
     if args.model is not None:
         print(f"model: {args.model} (used as is)")
         model = resolve_model(args.model)
-        return _parity(args, scenarios, model, model)
+        return _parity(args, scenarios, dict.fromkeys(scenarios, model))
     with tempfile.TemporaryDirectory(prefix="rlserve-parity-") as workdir:  # removed on the way out
-        dense = [s for s in scenarios if s != "moe_replay"]
-        model = moe_model = None
-        if dense:
-            model = str(make_peaked_model_dir(Path(workdir) / "model", "small", args.head_scale))
-        if "moe_replay" in scenarios:
-            moe_model = str(make_peaked_model_dir(Path(workdir) / "moe-model", "small-moe", args.head_scale))
-        built = (("Qwen3", model), ("Qwen3-MoE (moe_replay)", moe_model))
-        shapes = " and ".join(name for name, path in built if path)
+        # A model per kind of scenario: moe_replay's has experts, fp8's whole 128x128 blocks, the others' neither.
+        kinds = {"moe_replay": ("moe-model", "small-moe", "Qwen3-MoE (moe_replay)"), "fp8": ("fp8-model", FP8_PRESET)}
+        built: dict[str, tuple[str, str]] = {}  # preset -> (directory, description)
+        models = {}
+        for scenario in scenarios:
+            folder, preset, *what = kinds.get(scenario, ("model", "small", "Qwen3"))
+            if preset not in built:
+                path = str(make_peaked_model_dir(Path(workdir) / folder, preset, args.head_scale))
+                built[preset] = path, what[0] if what else f"Qwen3 {preset} ({scenario})"
+            models[scenario] = built[preset][0]
+        shapes = " and ".join(what for _, what in built.values())
         print(
             f"model: a random small {shapes} (removed at exit), logits x{args.head_scale:g} (final RMSNorm weight, "
             "i.e. an LM head scaled by that factor) so that the distribution is peaked"
         )
-        return _parity(args, scenarios, model or moe_model, moe_model or model)
+        return _parity(args, scenarios, models)
 
 
-def _parity(args: argparse.Namespace, scenarios: list[str], model: str, moe_model: str) -> int:
-    """`moe_model` runs the moe_replay scenario, `model` the others."""
+def _parity(args: argparse.Namespace, scenarios: list[str], models: dict[str, str]) -> int:
+    """`models`: the model directory of each scenario."""
+    model = models[scenarios[0]]
     prompts = random_prompts(model, args.num_prompts, args.prompt_len, seed=args.seed)
     peak = peakedness(model, prompts, args.device)
     print(
@@ -509,7 +549,7 @@ def _parity(args: argparse.Namespace, scenarios: list[str], model: str, moe_mode
         t0 = time.perf_counter()
         # One scenario a call: each starts from the checkpoint's weights (prefix_cache updates its reference's).
         results |= run_parity(
-            moe_model if scenario == "moe_replay" else model,
+            models[scenario],
             prompts,
             scenarios=[scenario],
             max_tokens=args.max_tokens,
@@ -521,6 +561,7 @@ def _parity(args: argparse.Namespace, scenarios: list[str], model: str, moe_mode
             trainer=args.trainer,
             trainer_dtype=args.trainer_dtype,
             seed=args.seed,
+            fp8_method=args.fp8_method,
         )
         print(f"{time.perf_counter() - t0:.1f} s", flush=True)
     setups = row_setups(args.dtype, args.trainer, args.trainer_dtype, args.temperature)
@@ -562,7 +603,14 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scenarios",
         default=",".join(DEFAULT_SCENARIOS),
-        help=f"comma-separated subset of {','.join(SCENARIOS)} (moe_replay runs on a small Qwen3-MoE without --model)",
+        help=f"comma-separated subset of {','.join(SCENARIOS)} (without --model, moe_replay runs on a small Qwen3-MoE "
+        f"and fp8 on the {FP8_PRESET} preset)",
+    )
+    p.add_argument(
+        "--fp8-method",
+        default="fp8",
+        choices=list(FP8_METHODS),
+        help="the fp8 scenario's quantization: fp8 (128x128 blocks) or fbgemm_fp8 (per-channel)",
     )
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON (default: none)")
     p.set_defaults(func=cmd_parity)

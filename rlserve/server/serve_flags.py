@@ -1,9 +1,9 @@
 """`rlserve serve`'s flags: its own, the engine's (derived from EngineConfig), and vLLM's spellings of them, so that
 a framework's `vllm serve ...` command line runs with only the command changed.
 
-Every vLLM flag the RL frameworks pass is either implemented or refused by name with the reason (`UNSUPPORTED`,
-`QUANTIZATIONS`), never dropped. The checks run as the command line is parsed, so a bad combination is a usage
-error (exit 2) before anything starts.
+Every vLLM flag the RL frameworks pass is either implemented or refused by name with the reason (`UNSUPPORTED`;
+--quantization is an engine flag, rlserve.config.QUANTIZATIONS), never dropped. The checks run as the command line
+is parsed, so a bad combination is a usage error (exit 2) before anything starts.
 """
 
 from __future__ import annotations
@@ -58,12 +58,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported(("--pipeline-parallel-size", "-pp"), f"{_ONE_GPU}: pipeline {_NOT_YET}", True, "1"),
 )
 
-# --quantization values rlserve implements, as the engine fields each one sets. Any other is refused by name.
-QUANTIZATIONS: dict[str, dict[str, str]] = {
-    # PipelineRL's: bf16 weights and activations, the LM head (and so the logprobs) in fp32.
-    "bf16_last_layer_fp32": {"dtype": "bfloat16", "lm_head_dtype": "float32"},
-}
-
 
 class _Refuse(argparse.Action):
     """A flag of `UNSUPPORTED`: a usage error naming it and the reason, unless given its accepted value."""
@@ -104,21 +98,6 @@ def _check_model(args: argparse.Namespace) -> None:
     # Clients name the model as it was given (a hub id, not the cache directory it resolves to), as in vLLM.
     args.served_model_name = args.served_model_name or [given]
     args.model = resolve_model(given, getattr(args, "revision", None))  # a failure is a usage error: one line
-
-
-def _check_quantization(args: argparse.Namespace) -> None:
-    if args.quantization is None:
-        return
-    fields = QUANTIZATIONS.get(args.quantization)
-    if fields is None:
-        raise ValueError(
-            f"--quantization {args.quantization}: not implemented yet (rlserve implements: {', '.join(QUANTIZATIONS)})"
-        )
-    for name, value in fields.items():
-        given = getattr(args, name, value)  # engine flags not given are absent from the namespace
-        if given != value:
-            raise ValueError(f"--quantization {args.quantization} sets {name} {value}, but --{name} {given} was given")
-        setattr(args, name, value)
 
 
 def _check_rl_api_auth(args: argparse.Namespace) -> None:
@@ -233,7 +212,6 @@ def _check_keep_alive(args: argparse.Namespace) -> None:
 
 SERVE_CHECKS = (
     _check_model,
-    _check_quantization,
     _check_rl_api_auth,
     check_pipelinerl_arguments,
     _check_profiler_routes,
@@ -334,12 +312,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="defaults for requests that leave them unset (temperature, top_p, top_k, min_p, skip_special_tokens; "
         "max_new_tokens bounds max_tokens): auto from MODEL's generation_config.json, DIR from that directory's, "
         f"vllm none (default: auto, as vLLM). Choices: {', '.join(GENERATION_CONFIG_CHOICES)} or a directory",
-    )
-    serve.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        help=f"{', '.join(QUANTIZATIONS)} (bf16, fp32 LM head); other methods (fp8, ...) are not implemented yet",
     )
     serve.add_argument(
         "--lora-modules",

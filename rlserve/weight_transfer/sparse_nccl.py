@@ -60,6 +60,11 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(_BITS[tensor.element_size()])
 
 
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D tensor's bytes, in place (a view)."""
+    return tensor.view(torch.uint8)
+
+
 def _ranges(starts: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
     """Each start repeated count times (int64), built on `device` without waiting for it."""
     total = sum(counts)
@@ -165,7 +170,9 @@ class SparseNCCLWeightTransferEngine(
         writes = self._check(patches)
         with torch.no_grad():
             for target, patch in writes:
-                target.view(-1).index_copy_(0, patch.indices.long(), patch.values)
+                # As bits (view, never a copy): the same bytes, and index_copy_ has no float8 kernel on CPU.
+                bits = target.view(-1).view(_BITS[target.element_size()])
+                bits.index_copy_(0, patch.indices.long(), _bits(patch.values))
         drop_derived = getattr(self.model, "drop_derived_weights", None)
         if callable(drop_derived):  # rlserve's model keeps an fp32 copy of the LM head
             drop_derived()
@@ -189,7 +196,8 @@ class SparseNCCLWeightTransferEngine(
             )
             patches.append(patch)
             if count:  # both sides skip empty patches: nothing to say
-                works += [receive_broadcast(group, t, self.timeout_s) for t in (patch.indices, patch.values)]
+                # As bytes: the same on the wire, and gloo has no float8 type (an FP8 engine's patches).
+                works += [receive_broadcast(group, _bytes(t), self.timeout_s) for t in (patch.indices, patch.values)]
         for work in works:
             work.wait()
         return patches
@@ -199,19 +207,19 @@ class SparseNCCLWeightTransferEngine(
         views = dict(self.model.checkpoint_weights())
         writes = []
         for patch in patches:
-            keys = self.model.written_names(patch.name)
+            keys = self.model.written_names(patch.name, patch.values.dtype)
             if not keys:
                 continue  # a tensor the model ignores, as a full update would
+            target = views[keys[0]]
+            if patch.values.dtype != target.dtype:  # an FP8 engine's weights included: diff the fp8 bytes
+                raise WeightUpdateRefused(
+                    f"weight {patch.name!r}: sparse values are {patch.values.dtype}, the model serves "
+                    f"{target.dtype}: diff the weights in the served dtype"
+                )
             if len(keys) != 1:
                 raise WeightUpdateRefused(
                     f"weight {patch.name!r}: a stacked tensor; send a sparse patch per checkpoint tensor "
                     f"({keys[0]!r}, ...)"
-                )
-            target = views[keys[0]]
-            if patch.values.dtype != target.dtype:
-                raise WeightUpdateRefused(
-                    f"weight {patch.name!r}: sparse values are {patch.values.dtype}, the model serves "
-                    f"{target.dtype}: diff the weights in the served dtype"
                 )
             writes.append((target, patch))
         _check_bounds([(target.numel(), patch) for target, patch in writes if patch.indices.numel()])
@@ -416,7 +424,7 @@ class SparseNCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparseNC
 
         def send() -> None:
             works = [
-                group.broadcast(t.contiguous(), src=0)
+                group.broadcast(_bytes(t.contiguous()), src=0)  # as the engine receives them
                 for p in patches
                 if p.indices.numel()
                 for t in (p.indices, p.values)

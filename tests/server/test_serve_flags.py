@@ -22,7 +22,7 @@ from rlserve.engine.args import engine_fields, engine_flags, engine_kwargs, make
 from rlserve.server import serve_flags
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from rlserve.server.serve_flags import DEV_MODE_ENV, QUANTIZATIONS, UNSUPPORTED
+from rlserve.server.serve_flags import DEV_MODE_ENV, UNSUPPORTED
 from rlserve.toy import make_model_dir
 
 pytestmark = pytest.mark.usefixtures("model_names_as_dirs")
@@ -114,19 +114,23 @@ def test_unsupported_vllm_flags_are_refused_by_name(entry: serve_flags.Unsupport
 
 def test_quantization_bf16_last_layer_fp32_is_an_fp32_lm_head(capsys: pytest.CaptureFixture) -> None:
     args = parse("m", "--quantization", "bf16_last_layer_fp32")
-    assert (
-        engine_kwargs(args)
-        == QUANTIZATIONS["bf16_last_layer_fp32"]
-        == {"dtype": "bfloat16", "lm_head_dtype": "float32"}
-    )
+    assert engine_kwargs(args) == {"quantization": "bf16_last_layer_fp32"}
     config = make_engine_config("m", **engine_kwargs(args))
     assert (config.dtype, config.lm_head_dtype) == ("bfloat16", "float32")
-    assert engine_kwargs(parse("m", "-q", "bf16_last_layer_fp32", "--dtype", "bfloat16"))["dtype"] == "bfloat16"
-    assert "sets dtype bfloat16, but --dtype float32" in refused(
-        capsys, "m", "-q", "bf16_last_layer_fp32", "--dtype", "float32"
-    )
-    assert "--quantization fp8: not implemented yet" in refused(capsys, "m", "--quantization", "fp8")
-    assert "--quantization awq: not implemented yet" in refused(capsys, "m", "-q", "awq")
+    config = make_engine_config("m", **engine_kwargs(parse("m", "-q", "bf16_last_layer_fp32", "--dtype", "bfloat16")))
+    assert config.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="sets dtype bfloat16, but dtype float32 was given"):
+        make_engine_config("m", **engine_kwargs(parse("m", "-q", "bf16_last_layer_fp32", "--dtype", "float32")))
+
+
+def test_quantization_fp8_is_an_engine_flag_and_others_are_refused_by_name(capsys: pytest.CaptureFixture) -> None:
+    for method in ("fp8", "fbgemm_fp8"):
+        assert make_engine_config("m", **engine_kwargs(parse("m", "-q", method))).quantization == method
+    assert "argument --quantization/-q: invalid choice: 'awq'" in refused(capsys, "m", "-q", "awq")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        make_engine_config("m", quantization="awq")
+    with pytest.raises(ValueError, match="quantization fp8: not with batch_invariant"):
+        make_engine_config("m", quantization="fp8", batch_invariant=True)
 
 
 def test_lora_flags_parse_as_vllms(capsys: pytest.CaptureFixture) -> None:

@@ -146,7 +146,7 @@ class ModelRunner:
     def _build(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.model, self.hf_config = load_model(
-            config.model, config.dtype, self.device, self.tp, config.load_format, self.ep
+            config.model, config.dtype, self.device, self.tp, config.load_format, self.ep, config.quantization
         )
         logger.info("model loaded on %s in %.1f s", self.device, time.perf_counter() - started)
         # Adapter slots before the memory profile and the graphs: they count, and the graphs read them.
@@ -789,7 +789,7 @@ class ModelRunner:
     def load_weights_on_all_ranks(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Load tensors that only rank 0 has (from a front end, a directory) on every rank: checked first, then each
         broadcast to the followers, which keep their part."""
-        self.model.check_weights((name, tuple(t.shape), t.dtype) for name, t in weights)
+        self.model.check_weights(((name, tuple(t.shape), t.dtype) for name, t in weights), whole_update=True)
         if self.followers is None:
             return self.model.load_weights(weights)
         metas = [(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in weights]

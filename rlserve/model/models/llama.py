@@ -14,6 +14,7 @@ from torch import nn
 from rlserve.lora.peft import PEFTAdapter
 from rlserve.model import batch_invariant
 from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
+from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme
 from rlserve.model.layers import (
     Linear,
     MergedColumnParallelLinear,
@@ -235,6 +236,32 @@ class DecoderForCausalLM(nn.Module):
         """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
         return MLP(self.spec, self.tp)
 
+    def quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        """Make the decoder layers' dense projections FP8 (rlserve.model.fp8); the LM head and embeddings stay in the
+        model dtype. Called on the meta device, before the loader gives parameters storage."""
+        if self.spec.moe is not None:
+            raise ValueError(
+                f"quantization {scheme.method}: {self.spec.architecture} is a MoE model, and FP8 experts (the fused "
+                "MoE kernel's scales) are not implemented yet"
+            )
+        for module in self._lora_targets():
+            if scheme.block_wise:
+                module.check_fp8_blocks()
+            module.quantize_fp8(scheme)
+
+    def _fp8_module(self, name: str) -> Linear | None:
+        """The FP8 projection that checkpoint tensor `name` (its weight or its scales) belongs to, if any."""
+        target = self._resolve(name)
+        if target is None or target[0].dtype != FP8_DTYPE and not name.endswith(("weight_scale_inv", "weight_scale")):
+            return None
+        parts = name.split(".")
+        fused = self.fused_names.get(parts[-2])
+        module = self.get_submodule(".".join(parts[:-2] + [fused or parts[-2]]))
+        return module if isinstance(module, Linear) and module.fp8 is not None else None
+
+    def _scale_name(self, weight_name: str, module: Linear) -> str:
+        return weight_name.removesuffix("weight") + module.fp8.scale_name
+
     def set_batch_invariant(self, enabled: bool) -> None:
         """Compute every projection and the LM head with the batch-invariant matmul (rlserve.model.batch_invariant),
         and run the fused kernels even under autograd, so that a trainer's forward gives the engine's bits."""
@@ -345,16 +372,27 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model")
         return param, _shard_slice(module, parts[-1], sub, self.tp.rank)
 
-    def written_names(self, name: str) -> tuple[str, ...]:
+    def written_names(self, name: str, dtype: torch.dtype | None = None) -> tuple[str, ...]:
         """The names `checkpoint_weights` gives the weights that tensor `name` writes (a tied LM head is the
-        embedding); none for a tensor the model ignores. An unknown name raises ValueError."""
+        embedding; an FP8 projection's weight in another dtype, quantized, its scales too, as does one of unknown
+        `dtype`, since an fp8 weight comes with its scales); none for a tensor the model ignores. An unknown name
+        raises ValueError."""
         if self._resolve(name) is None:
             return ()
+        module = self._fp8_module(name)
+        if module is not None and name.endswith(".weight") and dtype != FP8_DTYPE:
+            return name, self._scale_name(name, module)
         return ("model.embed_tokens.weight" if name == "lm_head.weight" and self.spec.tie_word_embeddings else name,)
 
-    def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    def check_weights(
+        self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]], whole_update: bool = False
+    ) -> None:
         """Refuse, before any byte moves, names the model lacks, shapes that differ from the checkpoint's (whole
-        tensors, whatever part of them this rank holds) and non-float dtypes."""
+        tensors, whatever part of them this rank holds), non-float dtypes, and fp8 tensors for parameters that are
+        not fp8 (a cast would drop their scales). `whole_update`: `metadata` is all of one update call, in which an
+        FP8 projection gets either its weight in another dtype (quantized here) or its fp8 weight and its scales
+        together, never one of the pair alone (the other would stay from another version)."""
+        metadata = list(metadata)
         for name, shape, dtype in metadata:
             target = self._resolve(name)
             if target is None:
@@ -364,6 +402,34 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r}: shape {list(shape)} does not match the model's {list(expected)}")
             if not dtype.is_floating_point:
                 raise ValueError(f"weight {name!r}: dtype {dtype} is not a floating-point type")
+            served = target[0].dtype
+            if dtype.itemsize == 1 and dtype != served:
+                why = "serves its weights in FP8 as float8_e4m3fn" if served == FP8_DTYPE else "is not in FP8"
+                raise ValueError(
+                    f"weight {name!r}: dtype {dtype} does not fit this parameter ({served}): the engine {why} "
+                    "(start it with quantization fp8 or fbgemm_fp8 to serve an FP8 checkpoint)"
+                )
+        if whole_update:
+            self._check_fp8_pairs(metadata)
+
+    def _check_fp8_pairs(self, metadata: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        dtypes = {name: dtype for name, _, dtype in metadata}
+        for name in dtypes:
+            module = self._fp8_module(name)
+            if module is None:
+                continue
+            scale_name = name if not name.endswith(".weight") else self._scale_name(name, module)
+            weight_name = scale_name.removesuffix(module.fp8.scale_name) + "weight"
+            weight_dtype = dtypes.get(weight_name)
+            if weight_dtype == FP8_DTYPE and scale_name not in dtypes:
+                raise ValueError(
+                    f"weight {weight_name!r}: an fp8 weight needs its scales {scale_name!r} in the same update"
+                )
+            if scale_name in dtypes and weight_dtype != FP8_DTYPE:
+                got = "no weight" if weight_dtype is None else f"the weight in {weight_dtype} (quantized here)"
+                raise ValueError(
+                    f"weight {scale_name!r}: scales come with their fp8 weight {weight_name!r}; this update has {got}"
+                )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -375,7 +441,7 @@ class DecoderForCausalLM(nn.Module):
         weights = list(weights)
         self.check_weights((name, tuple(t.shape), t.dtype) for name, t in weights)
         targets, sources = [], []
-        for name, tensor in weights:
+        for name, tensor in self._quantized(weights):
             target = self._resolve(name)
             if target is None:
                 continue
@@ -387,6 +453,19 @@ class DecoderForCausalLM(nn.Module):
         # One multi-tensor copy instead of a launch per tensor (310 for a 0.6B model).
         torch._foreach_copy_(targets, sources)
         return len(targets)
+
+    def _quantized(self, weights: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors to write: an FP8 projection's weight given in another dtype becomes its fp8 weight and scales,
+        quantized on the device the parameter is on (the whole checkpoint tensor: a per-channel scale covers every
+        column, whichever rank holds them)."""
+        for name, tensor in weights:
+            module = self._fp8_module(name) if name.endswith(".weight") else None
+            if module is None or tensor.dtype == FP8_DTYPE:
+                yield name, tensor
+                continue
+            q, scale = module.fp8.quantize(tensor.to(module.weight.device))
+            yield name, q
+            yield self._scale_name(name, module), scale
 
     def _checkpoint_parts(self) -> Iterator[tuple[str, nn.Module, str, str | None]]:
         """(checkpoint name, module, parameter name, shard id) of every checkpoint tensor, in parameter order."""
@@ -420,8 +499,8 @@ class DecoderForCausalLM(nn.Module):
                 yield name, _shard_slice(module, param_name, sub, 0).of_param(param.data)
                 continue
             if gathered is None or gathered[0] is not param:
-                gathered = param, list(self.tp.all_gather(param.data.unsqueeze(0), dim=0))
-            slices = [module.shard_slice(param_name, sub, rank) for rank in range(self.tp.size)]
+                gathered = param, _all_gather_rows(self.tp, param.data)
+            slices = [module.slice_of(param_name, sub, rank) for rank in range(self.tp.size)]
             full = torch.empty(slices[0].full_shape, dtype=param.dtype, device=param.device)
             for sl, part in zip(slices, gathered[1], strict=True):
                 if sl.length is None:  # replicated: every rank's is the whole
@@ -433,5 +512,11 @@ class DecoderForCausalLM(nn.Module):
 
 def _shard_slice(module: nn.Module, param_name: str, shard_id: str | None, rank: int) -> ShardSlice:
     if isinstance(module, ShardedWeights):
-        return module.shard_slice(param_name, shard_id, rank)
+        return module.slice_of(param_name, shard_id, rank)
     return ShardSlice(tuple(getattr(module, param_name).shape))
+
+
+def _all_gather_rows(tp: TensorParallelGroup, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `tensor`, in rank order; an fp8 one travels as its bytes (gloo has no float8 type)."""
+    raw = tensor.view(torch.uint8) if tensor.dtype == FP8_DTYPE else tensor
+    return [part.view(tensor.dtype) for part in tp.all_gather(raw.unsqueeze(0), dim=0)]

@@ -95,8 +95,10 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             for j, sub in enumerate(subs)
         ]
 
-    def check_weights(self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        super().check_weights(self._per_expert_metadata(metadata))
+    def check_weights(
+        self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]], whole_update: bool = False
+    ) -> None:
+        super().check_weights(self._per_expert_metadata(metadata), whole_update)
 
     def _per_expert_metadata(
         self, metadata: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
@@ -120,10 +122,10 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
         return super().load_weights(per_expert())
 
-    def written_names(self, name: str) -> tuple[str, ...]:
+    def written_names(self, name: str, dtype: torch.dtype | None = None) -> tuple[str, ...]:
         stacked = self._stacked_experts(name)
         if stacked is None:
-            return super().written_names(name)
+            return super().written_names(name, dtype)
         return tuple(sub for sub, _ in self._split(name, stacked[2]))
 
     def _experts_of(self, module_name: str) -> FusedExperts | None:
