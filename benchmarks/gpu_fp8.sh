@@ -14,8 +14,9 @@ if ! python3 -c "import zmq, msgspec, fastapi, uvicorn" 2>/dev/null && ls .whl/*
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 git log -1 --format='commit %h' 2>/dev/null | tee -a "$OUT/gpu.txt"
-part() {  # part NAME LIMIT_S COMMAND...
+part() {  # part NAME LIMIT_S COMMAND... (SKIP="name ..." skips parts)
   local name=$1 limit=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) return 0 ;; esac
   echo "== $name"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"
@@ -24,7 +25,7 @@ part() {  # part NAME LIMIT_S COMMAND...
 part fp8_tests 150 python3 -m pytest -q -x tests/gpu/test_fp8_gpu.py -p no:cacheprovider
 part w1_8b 300 python3 benchmarks/offline_generate.py --device cuda --preset qwen3-8b-shape --load-format dummy \
   --quantization none,fp8,fbgemm_fp8 --repeats "$REPEATS"
-part parity 90 python3 benchmarks/parity.py --device cuda --scenarios lm_head,fp8 --trainer-dtype bfloat16 \
+part parity 200 python3 benchmarks/parity.py --device cuda --scenarios lm_head,fp8 --trainer-dtype bfloat16 \
   --out "$OUT/parity-fp8.json"
 part fp8_update 90 python3 benchmarks/fp8_update.py --device cuda --preset qwen3-8b-shape --repeats "$REPEATS"
 echo "== summary"; cat "$OUT/rc.txt"

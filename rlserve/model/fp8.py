@@ -162,28 +162,18 @@ def _scaled_mm(
         return F.scaled_mm(
             xq, weight.t(), xs, recipe.RowWise, scale.reshape(1, -1), recipe.RowWise, output_dtype=out_dtype
         )
-    # cuBLASLt's block-scaled layouts, as torch's own tests build them: the activation scales [tokens, in/128]
-    # column-major, the weight's [in/128, out/128] column-major with its leading dimension a multiple of 4 (so
-    # weight_scale_inv, [out/128, in/128] row-major, is its transpose as is when in/128 is a multiple of 4).
+    # cuBLASLt's block-scaled layouts, which torch 2.11's scaled_mm checks by stride: both scales compact and
+    # column-major, the activation's [tokens, in/128] with strides (1, tokens), the weight's [in/128, out/128] with
+    # strides (1, in/128), which is weight_scale_inv ([out/128, in/128], row-major) transposed as is.
     return F.scaled_mm(
         xq,
         weight.t(),
-        _padded_rows(xs.t()).t(),
+        xs.t().contiguous().t(),
         recipe.BlockWise1x128,
-        _padded_rows(scale).t(),
+        scale.t(),
         recipe.BlockWise128x128,
         output_dtype=out_dtype,
     )
-
-
-def _padded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x (2-d) as a view of row-major storage whose rows are a multiple of 4 elements long (copied only if not)."""
-    cols = x.shape[1]
-    if x.is_contiguous() and cols % 4 == 0:
-        return x
-    storage = x.new_zeros(x.shape[0], -(-cols // 4) * 4)
-    storage[:, :cols] = x
-    return storage[:, :cols]
 
 
 def is_quantized_weight_name(name: str) -> bool:
