@@ -22,9 +22,9 @@ part() {  # part NAME LIMIT_S COMMAND... (SKIP="name ..." skips parts)
   echo "$name rc=$?" | tee -a "$OUT/rc.txt"
   tail -n 15 "$OUT/$name.log"
 }
-part fp8_tests 150 python3 -m pytest -q -x tests/gpu/test_fp8_gpu.py -p no:cacheprovider
+part fp8_tests 150 python3 -m pytest -q tests/gpu/test_fp8_gpu.py -p no:cacheprovider
 part w1_8b 300 python3 benchmarks/offline_generate.py --device cuda --preset qwen3-8b-shape --load-format dummy \
-  --quantization none,fp8,fbgemm_fp8 --repeats "$REPEATS"
+  --quantization none,fbgemm_fp8,fp8 --repeats "$REPEATS"
 part parity 200 python3 benchmarks/parity.py --device cuda --scenarios lm_head,fp8 --trainer-dtype bfloat16 \
   --out "$OUT/parity-fp8.json"
 part fp8_update 90 python3 benchmarks/fp8_update.py --device cuda --preset qwen3-8b-shape --repeats "$REPEATS"

@@ -164,16 +164,25 @@ def _scaled_mm(
         )
     # cuBLASLt's block-scaled layouts, which torch 2.11's scaled_mm checks by stride: both scales compact and
     # column-major, the activation's [tokens, in/128] with strides (1, tokens), the weight's [in/128, out/128] with
-    # strides (1, in/128), which is weight_scale_inv ([out/128, in/128], row-major) transposed as is.
-    return F.scaled_mm(
+    # strides (1, in/128), which is weight_scale_inv ([out/128, in/128], row-major) transposed as is. cuBLASLt wants
+    # the activation scales' leading dimension (the token count) a multiple of 4: the tokens are padded with zeros.
+    tokens = xq.shape[0]
+    padded = -(-tokens // 4) * 4
+    if padded != tokens:
+        xq = torch.cat([xq, xq.new_zeros(padded - tokens, xq.shape[1])])
+        xs = torch.cat([xs, xs.new_ones(padded - tokens, xs.shape[1])])
+    xs_column_major = torch.empty_strided(xs.shape, (1, padded), dtype=xs.dtype, device=xs.device)
+    xs_column_major.copy_(xs)
+    y = F.scaled_mm(
         xq,
         weight.t(),
-        xs.t().contiguous().t(),
+        xs_column_major,
         recipe.BlockWise1x128,
         scale.t(),
         recipe.BlockWise128x128,
         output_dtype=out_dtype,
     )
+    return y[:tokens]
 
 
 def is_quantized_weight_name(name: str) -> bool:
