@@ -83,6 +83,8 @@ class CoreStartup:
 
 
 class _SocketTransport:
+    in_process = False
+
     def __init__(self, socket: zmq.Socket, codec: Codec) -> None:
         self.socket = socket
         self.codec = codec
@@ -91,7 +93,13 @@ class _SocketTransport:
         self.socket.send_multipart((client, self.codec.encode(pack_outputs(outputs))), copy=False)
 
     def send_result(self, client: bytes, result: UtilityResult) -> None:
-        self.socket.send_multipart((client, self.codec.encode(result)), copy=False)
+        try:
+            message = self.codec.encode(result)
+        except (TypeError, ValueError, OverflowError) as e:  # a call's result must not take the core down
+            logger.exception("the result of a control call cannot be sent")
+            failed = UtilityResult(result.call_id, None, "ValueError", f"result: the engine core cannot send it: {e}")
+            message = self.codec.encode(failed)
+        self.socket.send_multipart((client, message), copy=False)
 
     def send_status(self, client: bytes, status: EngineStatus) -> None:
         self.socket.send_multipart((client, self.codec.encode(status)), copy=False)

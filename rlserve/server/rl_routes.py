@@ -23,7 +23,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
 from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
 from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
 from rlserve.server.metrics import ServerMetrics
@@ -296,6 +296,10 @@ def build_rl_router(
                 "so it runs on (other calls are refused until it returns) and its result is dropped"
             )
             raise APIError(504, message, "timeout") from None
+        except (APIError, EngineDeadError, RequestRefusedError):
+            raise
+        except Exception as e:  # the extension's own error (a KeyError, a TypeError of its arguments): the call's
+            raise APIError(400, f"method: {method!r} raised {type(e).__name__}: {e}", "method") from e
         return {"results": [_jsonable(r) for r in results]}
 
     @router.get("/get_world_size")
