@@ -21,6 +21,7 @@ from rlserve.engine.args import EngineArgs, make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
+    RequestIdInUseError,
     RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
@@ -296,8 +297,8 @@ class AsyncLLM(EngineFrontEnd):
     def _add(self, prompt: ValidatedPrompt, request_id: str | None, session_id: str | None) -> tuple[str, _Stream]:
         """Queue one request; its outputs go to the returned stream until `_release`."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if request_id in self._streams or self.output_processor.in_use(request_id, prompt.params.n):
+            raise RequestIdInUseError(request_id)
         stream = self._streams[request_id] = _Stream(prompt.params.output_kind is RequestOutputKind.DELTA)
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
@@ -306,9 +307,15 @@ class AsyncLLM(EngineFrontEnd):
             request = AddRequest.of(child_ids, prompt.token_ids, params, prompt.cache_salt, prompt.lora_request)
             self.client.add([request], session_id)
         except BaseException:
+            self.output_processor.abort(request_id, in_core=False)
             self._release(request_id, stream)
             raise
         return request_id, stream
+
+    def request_in_use(self, request_id: str) -> bool:
+        """Whether a request `request_id` would be refused as in use: its stream is open, or the core may still
+        run one of its samples (an abort on its way)."""
+        return request_id in self._streams or self.output_processor.in_use(request_id)
 
     def _release(self, request_id: str, stream: _Stream) -> None:
         """The request's consumer is done with its stream; if the request has not finished, it is aborted."""

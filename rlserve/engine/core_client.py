@@ -55,6 +55,15 @@ class RequestRefusedError(RuntimeError):
     what makes it serve again. The engine itself is fine (a server answers 503)."""
 
 
+class RequestIdInUseError(ValueError):
+    """A request id that a request of this front end still holds (its stream is open, or the core has not ended it
+    yet): the caller's conflict (a server answers 409)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id: {request_id!r} is already in use")
+        self.request_id = request_id
+
+
 class RetryableRequestError(RequestRefusedError):
     """vLLM 0.33's: a transient refusal, safe to retry as it is: generation is paused in mode abort or wait, which
     refuses new requests until resume rather than queueing them (a server answers 503 ServiceUnavailableError)."""

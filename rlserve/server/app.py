@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestIdInUseError, RequestRefusedError
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
 from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
@@ -125,6 +125,10 @@ def make_auth(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[None]]:
     return check_api_key
 
 
+def _id_conflict(error: RequestIdInUseError) -> APIError:
+    return APIError(409, f"{error} (the engine still ends an earlier request of that id)", "request_id")
+
+
 class _Usage:
     """Token counts of one API request, summed over its prompts and choices."""
 
@@ -210,7 +214,9 @@ class OpenAIServing:
     # ---- shared ----
 
     def _claim(self, key: str) -> None:
-        if key in self.active:
+        # The engine holds an id a little past its stream's end: until the core has ended an aborted request, whose
+        # late outputs would otherwise reach a new request of the same id.
+        if key in self.active or self.engine.request_in_use(key):
             raise APIError(409, f"request_id: {key!r} is already in flight", "request_id")
 
     def _request_ids(self, req: _GenerationRequest, prefix: str) -> tuple[str, str]:
@@ -303,6 +309,8 @@ class OpenAIServing:
                 ) as outputs:
                     async for out in outputs:
                         yield 0, out
+            except RequestIdInUseError as e:  # one of its n samples' ids, which the core still holds
+                raise _id_conflict(e) from e
             finally:
                 self.active.pop(request_id, None)
             return
@@ -325,6 +333,8 @@ class OpenAIServing:
             remaining = len(prompts)
             while remaining:
                 i, out, error = await queue.get()
+                if isinstance(error, RequestIdInUseError):
+                    raise _id_conflict(error) from error
                 if error is not None:
                     raise error
                 yield i, out

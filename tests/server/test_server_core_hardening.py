@@ -3,10 +3,12 @@ local user could do to the engine core, and what the core now does instead."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import TESTS_DIR, _stop, _wait_healthy
 from server_helpers import API_KEY, MODEL_NAME, Server, launch
@@ -56,3 +58,42 @@ def test_collective_rpc_results_never_kill_the_core(core_server: Server) -> None
             assert error["param"] == "method" and repr(method) in error["message"] and says in error["message"]
         assert http.get("/health").status_code == 200
     assert _complete(core_server)["choices"][0]["finish_reason"] == "length"
+
+
+async def _abandon_stream(http: httpx.AsyncClient, body: dict) -> None:
+    """Start a stream and leave after its first event: the server aborts the request in the core."""
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                return
+
+
+def test_a_request_id_still_held_by_the_engine_is_409(core_server: Server) -> None:
+    """Issue 28: a request id reused right after its stream was left used to get the earlier request's abort
+    (finish_reason "abort" after a token or none) or a 503. Until the core has ended the earlier one the id is the
+    client's conflict (409 naming request_id); after that it serves in full."""
+
+    async def run() -> list[tuple[int, str | None]]:
+        outcomes = []
+        async with core_server.async_client() as http:
+            for i in range(12):
+                body = {
+                    "model": MODEL_NAME,
+                    "prompt": "reuse",
+                    "max_tokens": 40,
+                    "ignore_eos": True,
+                    "request_id": f"reused-{i}",
+                }
+                await _abandon_stream(http, body)
+                response = await http.post("/v1/completions", json=body)
+                if response.status_code == 409:
+                    assert response.json()["error"]["param"] == "request_id"
+                    outcomes.append((409, None))
+                else:
+                    assert response.status_code == 200, response.text
+                    outcomes.append((200, response.json()["choices"][0]["finish_reason"]))
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert all(outcome in ((409, None), (200, "length")) for outcome in outcomes), outcomes
