@@ -759,7 +759,7 @@ class EngineCore:
         config = require_profiling(self.config)
         if self.profile_session is not None:
             raise RuntimeError(ALREADY_ACTIVE)
-        check_session(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        check_session(config, profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
         session = ProfileSession(
             profile_prefix,
             config.delay_iterations if delay_iterations is None else delay_iterations,

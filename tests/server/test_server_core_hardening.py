@@ -4,6 +4,7 @@ local user could do to the engine core, and what the core now does instead."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,8 @@ import httpx
 import pytest
 from conftest import TESTS_DIR, _stop, _wait_healthy
 from server_helpers import API_KEY, MODEL_NAME, Server, launch
+
+MAX_TRACED_STEPS = 2  # the operator's profiler_config.max_iterations
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,8 @@ def core_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     env["TMPDIR"] = str(root / "tmp")
     argv = [str(server_model_dir), "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--enable-rl-api"]
     argv += ["--worker-extension-cls", "worker_extension:CheckpointLoader", "--log-level", "warning"]
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(root / "traces"), "max_iterations": MAX_TRACED_STEPS}
+    argv += ["--profiler-config", json.dumps(profiler)]
     old_umask = os.umask(0)  # inherited by the server: every file it creates is world-writable unless it says not
     try:
         server = launch(root, *argv, env=env, headers={"Authorization": f"Bearer {API_KEY}"})
@@ -97,3 +102,16 @@ def test_a_request_id_still_held_by_the_engine_is_409(core_server: Server) -> No
 
     outcomes = asyncio.run(run())
     assert all(outcome in ((409, None), (200, "length")) for outcome in outcomes), outcomes
+
+
+def test_the_operators_profiler_max_iterations_is_a_ceiling(core_server: Server) -> None:
+    """Issue 28 row 10: a /start_profile body traced past the operator's max_iterations. It may ask for fewer steps;
+    more, or 0 (until /stop_profile), is a 400 naming max_iterations."""
+    with core_server.client() as http:
+        for asked in (MAX_TRACED_STEPS + 1, 0):
+            refused = http.post("/start_profile", json={"max_iterations": asked})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "max_iterations"
+            assert f"at most {MAX_TRACED_STEPS}" in refused.json()["error"]["message"]
+        assert http.post("/start_profile", json={"max_iterations": 1}).status_code == 200
+        assert http.post("/stop_profile").status_code == 200
