@@ -103,7 +103,7 @@ class RequestOutputCollector:
 
 def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
     """The engine-core processes (one per data-parallel rank) for several front ends (`AsyncLLM(model,
-    shared_cores=[(address, pid), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
+    shared_cores=[(address, pid, secret), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
     them. Returns once every core serves."""
     config = make_engine_config(model, **kwargs)
     if config.data_parallel_lockstep:
@@ -132,12 +132,12 @@ def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
     return cores
 
 
-def _shared_client(shared_cores: Sequence[tuple[str, int]]) -> Callable[[EngineConfig], Any]:
-    """A client of cores another process started: (address, pid) per data-parallel rank."""
+def _shared_client(shared_cores: Sequence[tuple[str, int, str]]) -> Callable[[EngineConfig], Any]:
+    """A client of cores another process started: (address, pid, secret) per data-parallel rank."""
 
     def rank_client(config: EngineConfig) -> AsyncMPClient:
-        address, pid = shared_cores[config.data_parallel_rank]
-        return AsyncMPClient(address=address, pid=pid)
+        address, pid, secret = shared_cores[config.data_parallel_rank]
+        return AsyncMPClient(address=address, pid=pid, secret=secret)
 
     def make(config: EngineConfig) -> Any:
         if len(shared_cores) != config.data_parallel_size:
@@ -150,8 +150,8 @@ def _shared_client(shared_cores: Sequence[tuple[str, int]]) -> Callable[[EngineC
 
 
 class AsyncLLM(EngineFrontEnd):
-    def __init__(self, model: str, *, shared_cores: Sequence[tuple[str, int]] | None = None, **kwargs: Any):
-        """`shared_cores`: (address, pid) of each engine core (one per data-parallel rank) that another process
+    def __init__(self, model: str, *, shared_cores: Sequence[tuple[str, int, str]] | None = None, **kwargs: Any):
+        """`shared_cores`: (address, pid, secret) of each engine core (one per data-parallel rank) that another process
         started, to connect to instead of starting them (the API servers of `rlserve serve --api-server-count N`
         share them)."""
         make_client = make_async_client if shared_cores is None else _shared_client(shared_cores)

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
+from rlserve.engine.core_auth import present_secret
 from rlserve.engine.core_proc import CoreProcess, multiprocessing_enabled, pid_alive
 from rlserve.engine.messages import (
     AbortRequests,
@@ -233,6 +234,7 @@ class MPClient:
     def connect(self) -> dict[str, Any]:
         """Wait for the core to start (the process was started by the constructor) and ask what it is."""
         self.process.wait_ready()
+        present_secret(self.socket, self.process.secret)
         self.socket.connect(self.process.address)  # known once it serves: a Ray actor picks its own
         return self.call("engine_info")
 
@@ -450,8 +452,8 @@ class AsyncInprocClient(AsyncClientBase):
 
 
 class AsyncMPClient(AsyncClientBase):
-    """The core in another process: started here (`config`, by `launch`), or already running (`address` and `pid`,
-    as for the API server processes of `--api-server-count N`, which share one core)."""
+    """The core in another process: started here (`config`, by `launch`), or already running (`address`, `pid` and
+    the core's `secret`, as for the API server processes of `--api-server-count N`, which share one core)."""
 
     in_process = False
 
@@ -461,12 +463,14 @@ class AsyncMPClient(AsyncClientBase):
         *,
         address: str | None = None,
         pid: int | None = None,
+        secret: str | None = None,
         launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch,
     ) -> None:
         super().__init__()
         self.process = launch(config) if config is not None else None
         self.address = address  # of a core started here: known once it serves (connect)
         self.pid = pid
+        self.secret = secret if self.process is None else self.process.secret
         self.codec = Codec()
         self.context: zmq.asyncio.Context | None = None
         self.socket: zmq.asyncio.Socket | None = None
@@ -480,6 +484,7 @@ class AsyncMPClient(AsyncClientBase):
             self.address = self.process.address
         with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
             socket.setsockopt(zmq.LINGER, 0)
+            present_secret(socket, self.secret)
             socket.connect(self.address)
             socket.send(self.codec.encode(UtilityCall(0, "engine_info", [])))
             while True:
@@ -500,6 +505,7 @@ class AsyncMPClient(AsyncClientBase):
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        present_secret(self.socket, self.secret)
         self.socket.connect(self.address)
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
         # A no-op that introduces this socket to the core, which answers with its status: an API server that has

@@ -6,13 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
+import zmq
 from conftest import TESTS_DIR, _stop, _wait_healthy
 from server_helpers import API_KEY, MODEL_NAME, Server, launch
+
+from rlserve.engine.messages import UtilityCall
 
 MAX_TRACED_STEPS = 2  # the operator's profiler_config.max_iterations
 
@@ -115,3 +121,34 @@ def test_the_operators_profiler_max_iterations_is_a_ceiling(core_server: Server)
             assert f"at most {MAX_TRACED_STEPS}" in refused.json()["error"]["message"]
         assert http.post("/start_profile", json={"max_iterations": 1}).status_code == 200
         assert http.post("/stop_profile").status_code == 200
+
+
+def _core_socket(core_server: Server) -> Path:
+    [path] = (p for p in (Path(core_server.log).parent / "tmp").rglob("*.sock") if "rlserve-core-" in str(p))
+    return path
+
+
+def test_the_core_socket_is_private_and_keyed(core_server: Server) -> None:
+    """Issue 28 row 2: under umask 000 the core's socket was world-writable, and a hand-written ZMQ client drove the
+    core (rewrote the weight version, paused it). The socket's directory is 0700 whatever the umask, and a client
+    without the core's secret (none, or a wrong one) gets no connection: nothing it sends reaches the core."""
+    path = _core_socket(core_server)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    with core_server.client() as http:
+        version = http.get("/weight_version").json()["weight_version"]
+    calls = [UtilityCall(1, "update_weight_version", ["pwned"]), UtilityCall(2, "pause", ["keep", False])]
+    with zmq.Context() as context:
+        for password in (None, b"not-the-secret"):
+            with context.socket(zmq.DEALER) as intruder:
+                intruder.setsockopt(zmq.LINGER, 0)
+                if password is not None:
+                    intruder.plain_username, intruder.plain_password = b"rlserve", password
+                intruder.connect(f"ipc://{path}")
+                for call in calls:
+                    intruder.send(msgspec.msgpack.encode(call), zmq.NOBLOCK)
+                assert not intruder.poll(1500), "the core answered a client without its secret"
+    with core_server.client() as http:
+        assert http.get("/weight_version").json()["weight_version"] == version
+        assert http.get("/is_paused").json() == {"is_paused": False}
+    assert _complete(core_server)["choices"][0]["finish_reason"] == "length"
+
