@@ -32,6 +32,13 @@ class EngineLimits:
             k = getattr(params, name)
             if k is not None and k > limit:
                 raise ValueError(f"{name}: {k} is above the engine's limit min(max_logprobs, vocab size) = {limit}")
+        allowed = params.allowed_token_ids
+        if allowed is not None and len(allowed) > self.vocab_size:
+            # Each id is one of the vocabulary's: a longer list only repeats some (a million of them held the engine
+            # for seconds).
+            raise ValueError(
+                f"allowed_token_ids: at most {self.vocab_size} ids (the vocabulary's size), got {len(allowed)}"
+            )
         token_id_fields = {
             "stop_token_ids": params.stop_token_ids,
             "logit_bias": params.logit_bias or (),

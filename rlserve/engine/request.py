@@ -66,6 +66,8 @@ class Request:
     # the positions whose routing was sent already (step by step, to a request with stop strings).
     routed_experts: np.ndarray | None = None
     num_routed_experts_sent: int = 0
+    # Its allowed_token_ids on the device, deduplicated: built at its first step, reused by every later one.
+    allowed_token_ids_on_device: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -152,3 +152,46 @@ def test_the_core_socket_is_private_and_keyed(core_server: Server) -> None:
         assert http.get("/is_paused").json() == {"is_paused": False}
     assert _complete(core_server)["choices"][0]["finish_reason"] == "length"
 
+
+def test_allowed_token_ids_are_bounded_and_built_once(core_server: Server, server_model_dir: Path) -> None:
+    """Issue 28 row 3: `[5] * 1e6` (n=4) held the engine 7-9 s, rebuilt every step. A list longer than the vocabulary
+    is a 400 naming the field, at once; a valid one still constrains the output; one as long as the vocabulary
+    (every id) is built once per request, so neither it nor a request beside it waits long (the toy's vocabulary is
+    small: this bounds the time, the saving shows with a real one)."""
+    vocab_size = json.loads((server_model_dir / "config.json").read_text())["vocab_size"]
+    with core_server.client() as http:
+        started = time.monotonic()
+        refused = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [5] * 10**6}
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids", refused.text
+        assert time.monotonic() - started < 10.0
+        out_of_range = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [vocab_size]}
+        )
+        assert out_of_range.status_code == 400 and out_of_range.json()["error"]["param"] == "allowed_token_ids"
+    constrained = _complete(
+        core_server, allowed_token_ids=[7, 9, 7], max_tokens=8, ignore_eos=True, temperature=1.0, return_token_ids=True
+    )
+    assert set(constrained["choices"][0]["token_ids"]) <= {7, 9}
+
+    async def run() -> tuple[float, float]:
+        every_id = list(range(vocab_size))
+        async with core_server.async_client() as http:
+            big = {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": every_id, "n": 4, "max_tokens": 16}
+            small = {"model": MODEL_NAME, "prompt": "y", "max_tokens": 4}
+
+            async def timed(body: dict) -> float:
+                started = time.monotonic()
+                response = await http.post("/v1/completions", json={**body, "ignore_eos": True})
+                assert response.status_code == 200, response.text
+                return time.monotonic() - started
+
+            big_task = asyncio.create_task(timed(big))
+            await asyncio.sleep(0.3)  # the big one is in the engine
+            small_s = await timed(small)
+            return await big_task, small_s
+
+    big_s, small_s = asyncio.run(run())
+    assert big_s < 10.0 and small_s < 3.0, (big_s, small_s)
+

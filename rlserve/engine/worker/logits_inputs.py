@@ -1,9 +1,9 @@
 """A step's LogitsAdjustments (rlserve.model.logits_adjustments), built from the requests that use penalties, logit
 bias, allowed tokens or bad words; the model runner calls this only for steps that hold such a request.
 
-Penalties need each row's token counts on the device. They are rebuilt every step from the requests' token lists (a
-flat id list per kind, scattered into [rows, vocab] counts on the device): host work proportional to those requests'
-lengths, none for the others.
+A request's allowed tokens go to the device once, at its first step. Penalties need each row's token counts on the
+device. They are rebuilt every step from the requests' token lists (a flat id list per kind, scattered into [rows,
+vocab] counts on the device): host work proportional to those requests' lengths, none for the others.
 """
 
 from __future__ import annotations
@@ -44,6 +44,15 @@ class _TokenIds:
         return ids
 
 
+def _allowed_token_ids(request: Request, upload: Upload) -> torch.Tensor:
+    """The request's allowed ids on the device, each once: built at its first step only (its list can hold as many
+    ids as the vocabulary, which every step would otherwise walk and upload again)."""
+    if request.allowed_token_ids_on_device is None:
+        ids = sorted(set(request.sampling_params.allowed_token_ids))
+        request.allowed_token_ids_on_device = upload(ids, torch.long)
+    return request.allowed_token_ids_on_device
+
+
 def build_logits_adjustments(
     requests: list[Request],
     rows: list[int],
@@ -53,7 +62,7 @@ def build_logits_adjustments(
 ) -> LogitsAdjustments:
     """The adjustments of `rows` (indices into `requests`, the step's sampling rows); `prev_sampled` and `prev_index`
     are the previous step's sampled ids on the device and each request's row in them."""
-    allowed_rows, allowed_index, allowed_ids = [], [], []
+    allowed_rows, allowed_ids = [], []
     bias_rows, bias_ids, bias_values = [], [], []
     bad_rows, bad_last, bad_prefixes = [], [], []
     bad_recent = _TokenIds(prev_sampled, prev_index)
@@ -65,8 +74,7 @@ def build_logits_adjustments(
         request = requests[row]
         p = request.sampling_params
         if p.allowed_token_ids is not None:
-            allowed_index += [len(allowed_rows)] * len(p.allowed_token_ids)
-            allowed_ids += p.allowed_token_ids
+            allowed_ids.append(_allowed_token_ids(request, upload))
             allowed_rows.append(row)
         if p.logit_bias:
             bias_rows += [row] * len(p.logit_bias)
@@ -100,7 +108,11 @@ def build_logits_adjustments(
 
     adjust = LogitsAdjustments()
     if allowed_rows:
-        adjust.allowed = AllowedTokens(longs(allowed_rows), longs(allowed_index), longs(allowed_ids))
+        counts = [len(ids) for ids in allowed_ids]
+        rows_of_ids = torch.repeat_interleave(  # output_size: no wait for the device to count
+            longs(list(range(len(allowed_rows)))), longs(counts), output_size=sum(counts)
+        )
+        adjust.allowed = AllowedTokens(longs(allowed_rows), rows_of_ids, torch.cat(allowed_ids))
     if bias_rows:
         adjust.bias = LogitBias(longs(bias_rows), longs(bias_ids), floats(bias_values))
     if bad_rows:
