@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from rlserve.sampling_params import SamplingParams
 
+# The tokens of a request's bad words, all told: each is matched on the device at every step of the request.
+# 128 words of 300 characters (today's bounds on strings) are tens of thousands.
+MAX_BAD_WORD_TOKENS = 4096
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -38,6 +42,12 @@ class EngineLimits:
             # for seconds).
             raise ValueError(
                 f"allowed_token_ids: at most {self.vocab_size} ids (the vocabulary's size), got {len(allowed)}"
+            )
+        bad_word_tokens = sum(map(len, params.bad_words_token_ids or ()))
+        if bad_word_tokens > MAX_BAD_WORD_TOKENS:
+            raise ValueError(
+                f"bad_words: {bad_word_tokens} tokens in all (each word as written and after a space), more than "
+                f"{MAX_BAD_WORD_TOKENS}"
             )
         token_id_fields = {
             "stop_token_ids": params.stop_token_ids,
