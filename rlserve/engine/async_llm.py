@@ -28,6 +28,7 @@ from rlserve.engine.core_client import (
     make_async_client,
     registered_backends,
 )
+from rlserve.engine.core_client import RetryableRequestError as RetryableRequestError  # the server's, from here
 from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
@@ -190,6 +191,8 @@ class AsyncLLM(EngineFrontEnd):
             error: RequestRefusedError | None = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
+                if error is not None:
+                    error.final_output = out
                 stream.put(out if error is None else error)
         if to_abort:
             self.client.abort(to_abort)

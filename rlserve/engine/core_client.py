@@ -55,6 +55,10 @@ class RequestRefusedError(RuntimeError):
     """The engine core refused a request it cannot serve now (its weights are incomplete); the message says why and
     what makes it serve again. The engine itself is fine (a server answers 503)."""
 
+    # The request's last output (each sample finished "abort", no token), as the front end that got the refusal
+    # made it: a server ends a stream it had already begun with it.
+    final_output: Any = None
+
 
 class RequestIdInUseError(ValueError):
     """A request id that a request of this front end still holds (its stream is open, or the core has not ended it

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 from conftest import TESTS_DIR, _stop, _wait_healthy
-from server_helpers import API_KEY, MODEL_NAME, Server, launch
+from server_helpers import API_KEY, MODEL_NAME, Server, Stream, launch
 
 from rlserve.engine.messages import UtilityCall
 
@@ -214,3 +214,43 @@ def test_bad_words_are_bounded_and_built_once(core_server: Server) -> None:
     plain_s = min(timed() for _ in range(2))
     with_words_s = min(timed(bad_words=words) for _ in range(2))
     assert with_words_s < 2 * plain_s + 0.5, (with_words_s, plain_s)
+
+
+async def _accepted_stream(http: httpx.AsyncClient, body: dict) -> Stream | None:
+    """A stream read to its end, or None when the server refused it (the pause had begun: a retryable 503)."""
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            assert response.status_code == 503, (await response.aread()).decode()
+            return None
+        stream = Stream()
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                stream.add(line[len("data: ") :])
+        stream.finished_at = time.monotonic()
+        return stream
+
+
+def test_streams_accepted_before_an_abort_pause_end_with_abort(core_server: Server) -> None:
+    """Issue 28: streams accepted (200, stream begun) just before an abort pause waited and then got an error event
+    ("generation is paused; retry") with no finish_reason. Every accepted stream ends promptly with finish_reason
+    "abort" and no error event, as the pause ended the others; only a request the pause came first for is a 503."""
+    body = {"model": MODEL_NAME, "max_tokens": 500, "ignore_eos": True}
+
+    async def round_of(http: httpx.AsyncClient, rl: httpx.AsyncClient, i: int) -> tuple[list[Stream], float]:
+        tasks = [asyncio.create_task(_accepted_stream(http, {**body, "prompt": f"r{i} s{k}"})) for k in range(12)]
+        await asyncio.sleep(0.01 * i)  # the pause lands at a different point of the streams' start each round
+        assert (await rl.post("/pause", params={"mode": "abort"})).status_code == 200
+        paused_at = time.monotonic()
+        streams = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert (await rl.post("/resume")).status_code == 200
+        return [s for s in streams if s is not None], paused_at
+
+    async def run() -> list[tuple[list[Stream], float]]:
+        async with core_server.async_client() as http, core_server.async_client() as rl:
+            return [await round_of(http, rl, i) for i in range(6)]
+
+    for streams, paused_at in asyncio.run(run()):
+        for stream in streams:
+            assert stream.errors == [] and stream.done_markers == 1, stream.errors
+            assert [c.finish_reasons for c in stream.choices.values()] == [["abort"]], stream.choices
+            assert stream.finished_at - paused_at < 3.0
