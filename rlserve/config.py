@@ -229,6 +229,10 @@ class EngineConfig:
     weight_transfer_config: WeightTransferConfig | None = _option(
         None, 'JSON, e.g. \'{"backend": "nccl"}\'; enables live weight updates'
     )
+    # Not a flag (`rlserve serve --allowed-weight-dirs` sets it): the directories under which the core itself lets
+    # load_weights_from_dir and reload_weights(weights_path=...) read a checkpoint, whoever calls; None (the Python
+    # API's default, its caller owning the process) allows any.
+    allowed_weight_dirs: tuple[str, ...] | None = None
     profiler_config: ProfilerConfig | None = _option(
         None,
         'JSON, vLLM\'s, e.g. \'{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}\': start_profile/'

@@ -30,8 +30,9 @@ VLLM_BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 VLLM_TORCH_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM before --profiler-config; 0.33 does not read it
 
 # Not flags: `rlserve serve` takes the model as a positional argument, `rlserve generate` as an optional one; the
-# front end sets each core's data-parallel rank itself.
-NOT_FLAGS = frozenset({"model", "data_parallel_rank"})
+# front end sets each core's data-parallel rank itself; `rlserve serve --allowed-weight-dirs` (a server flag, which
+# its routes check too) sets the core's allowed_weight_dirs.
+NOT_FLAGS = frozenset({"model", "data_parallel_rank", "allowed_weight_dirs"})
 
 
 TAKES_ARGUMENT: Any = object()  # FlagAlias.value of an alias that takes the field's argument

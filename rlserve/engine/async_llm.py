@@ -21,12 +21,14 @@ from rlserve.engine.args import EngineArgs, make_engine_config
 from rlserve.engine.core_client import (
     AsyncMPClient,
     EngineDeadError,
+    RequestIdInUseError,
     RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
     make_async_client,
     registered_backends,
 )
+from rlserve.engine.core_client import RetryableRequestError as RetryableRequestError  # the server's, from here
 from rlserve.engine.core_proc import CoreProcess
 from rlserve.engine.dp_client import DPAsyncMPClient
 from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
@@ -102,7 +104,7 @@ class RequestOutputCollector:
 
 def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
     """The engine-core processes (one per data-parallel rank) for several front ends (`AsyncLLM(model,
-    shared_cores=[(address, pid), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
+    shared_cores=[(address, pid, secret), ...])` each), as the API servers of `rlserve serve --api-server-count N` share
     them. Returns once every core serves."""
     config = make_engine_config(model, **kwargs)
     if config.data_parallel_lockstep:
@@ -131,12 +133,12 @@ def start_shared_cores(model: str, **kwargs: Any) -> list[CoreProcess]:
     return cores
 
 
-def _shared_client(shared_cores: Sequence[tuple[str, int]]) -> Callable[[EngineConfig], Any]:
-    """A client of cores another process started: (address, pid) per data-parallel rank."""
+def _shared_client(shared_cores: Sequence[tuple[str, int, str]]) -> Callable[[EngineConfig], Any]:
+    """A client of cores another process started: (address, pid, secret) per data-parallel rank."""
 
     def rank_client(config: EngineConfig) -> AsyncMPClient:
-        address, pid = shared_cores[config.data_parallel_rank]
-        return AsyncMPClient(address=address, pid=pid)
+        address, pid, secret = shared_cores[config.data_parallel_rank]
+        return AsyncMPClient(address=address, pid=pid, secret=secret)
 
     def make(config: EngineConfig) -> Any:
         if len(shared_cores) != config.data_parallel_size:
@@ -149,8 +151,8 @@ def _shared_client(shared_cores: Sequence[tuple[str, int]]) -> Callable[[EngineC
 
 
 class AsyncLLM(EngineFrontEnd):
-    def __init__(self, model: str, *, shared_cores: Sequence[tuple[str, int]] | None = None, **kwargs: Any):
-        """`shared_cores`: (address, pid) of each engine core (one per data-parallel rank) that another process
+    def __init__(self, model: str, *, shared_cores: Sequence[tuple[str, int, str]] | None = None, **kwargs: Any):
+        """`shared_cores`: (address, pid, secret) of each engine core (one per data-parallel rank) that another process
         started, to connect to instead of starting them (the API servers of `rlserve serve --api-server-count N`
         share them)."""
         make_client = make_async_client if shared_cores is None else _shared_client(shared_cores)
@@ -189,6 +191,8 @@ class AsyncLLM(EngineFrontEnd):
             error: RequestRefusedError | None = self.output_processor.take_error(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
+                if error is not None:
+                    error.final_output = out
                 stream.put(out if error is None else error)
         if to_abort:
             self.client.abort(to_abort)
@@ -296,8 +300,8 @@ class AsyncLLM(EngineFrontEnd):
     def _add(self, prompt: ValidatedPrompt, request_id: str | None, session_id: str | None) -> tuple[str, _Stream]:
         """Queue one request; its outputs go to the returned stream until `_release`."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if request_id in self._streams or self.output_processor.in_use(request_id, prompt.params.n):
+            raise RequestIdInUseError(request_id)
         stream = self._streams[request_id] = _Stream(prompt.params.output_kind is RequestOutputKind.DELTA)
         children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
         child_ids = [c for c, _ in children]
@@ -306,9 +310,15 @@ class AsyncLLM(EngineFrontEnd):
             request = AddRequest.of(child_ids, prompt.token_ids, params, prompt.cache_salt, prompt.lora_request)
             self.client.add([request], session_id)
         except BaseException:
+            self.output_processor.abort(request_id, in_core=False)
             self._release(request_id, stream)
             raise
         return request_id, stream
+
+    def request_in_use(self, request_id: str) -> bool:
+        """Whether a request `request_id` would be refused as in use: its stream is open, or the core may still
+        run one of its samples (an abort on its way)."""
+        return request_id in self._streams or self.output_processor.in_use(request_id)
 
     def _release(self, request_id: str, stream: _Stream) -> None:
         """The request's consumer is done with its stream; if the request has not finished, it is aborted."""

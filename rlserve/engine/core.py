@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 
 from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.dtypes import dtype_from_name
+from rlserve.engine.call_policy import check_rpc_method, confined_weight_dir
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.lora_manager import LoRAManager
 from rlserve.engine.messages import ENGINE_RPC_METHODS, EngineCoreOutput, resolve_pause_mode
@@ -33,7 +34,7 @@ from rlserve.engine.profiler import (
 from rlserve.engine.request import Request, RequestStatus
 from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.worker.extension import call as call_worker
-from rlserve.engine.worker.extension import make_worker
+from rlserve.engine.worker.extension import extension_methods, make_worker
 from rlserve.engine.worker.model_runner import LaunchedStep
 from rlserve.engine.worker.tp_workers import create_runner
 from rlserve.lora.request import LoRARequest
@@ -661,8 +662,10 @@ class EngineCore:
         `update_config`, `reload_weights` and `reset_weights` run on the core, which keeps its bookkeeping of the
         weights right (and reaches every rank through its loader)."""
         self._drain()
-        if isinstance(method, str) and method in ENGINE_RPC_METHODS:
-            return [getattr(self, method)(*args, **(kwargs or {}))]
+        if isinstance(method, str):  # a function comes only from a front end in this process, which owns it
+            check_rpc_method(method, extension_methods(self.worker))
+            if method in ENGINE_RPC_METHODS:
+                return [getattr(self, method)(*args, **(kwargs or {}))]
         args, kwargs = tuple(args), dict(kwargs or {})
         with self.runner.on_device(), self.runner.mirrored("collective_rpc", method, args, kwargs) as others:
             mine = call_worker(self.worker, method, args, kwargs)
@@ -707,7 +710,10 @@ class EngineCore:
                 "load_format: the engine's load format is 'dummy', which reads no checkpoint; switch it first with "
                 "collective_rpc('update_config', args=({'load_config': {'load_format': 'auto'}},))"
             )
-        self.load_weights_from_dir(weights_path or self.config.model, "weights_path")
+        if weights_path is None:  # the served model's own directory, whatever the allowed ones
+            self._load_checkpoint_dir(self.config.model, "weights_path")
+        else:
+            self.load_weights_from_dir(weights_path, "weights_path")
 
     def reset_weights(self) -> None:
         """vLLM's weight-checker reset: every weight zeroed, to check that the next update writes them all. rlserve
@@ -735,7 +741,14 @@ class EngineCore:
         """prime-rl's checkpoint-directory update: the safetensors files the trainer wrote to `weight_dir` (which
         the API server has checked against the operator's allowed directories), read here rather than shipped
         through the front end, and written through `load_weights_direct`: every tensor is checked before any is
-        written, so a refused directory changes nothing."""
+        written, so a refused directory changes nothing. With `allowed_weight_dirs` configured the core checks the
+        directory too (the API server's check, again)."""
+        allowed = self.config.allowed_weight_dirs
+        if allowed is not None:
+            weight_dir = confined_weight_dir(weight_dir, allowed, param)
+        return self._load_checkpoint_dir(weight_dir, param)
+
+    def _load_checkpoint_dir(self, weight_dir: str, param: str) -> int:
         from rlserve.model.loader import iterate_checkpoint
 
         try:
@@ -777,7 +790,7 @@ class EngineCore:
         config = require_profiling(self.config)
         if self.profile_session is not None:
             raise RuntimeError(ALREADY_ACTIVE)
-        check_session(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        check_session(config, profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
         session = ProfileSession(
             profile_prefix,
             config.delay_iterations if delay_iterations is None else delay_iterations,

@@ -21,14 +21,13 @@ from dataclasses import replace
 from typing import Any
 
 from rlserve.config import EngineConfig
+from rlserve.engine.core_auth import new_secret, private_ipc_address, remove_ipc_address
 from rlserve.engine.core_client import registered_backends
 from rlserve.engine.core_proc import (
     EXIT_PEER_LOST,
     EXIT_STEP_FAILED,
     STARTUP_TIMEOUT_S,
     CoreStartup,
-    core_address,
-    remove_address,
     run_engine_core,
     startup_error,
 )
@@ -121,11 +120,13 @@ def _join_host(host: str) -> str:
 class RayCore:
     """The front end's handle on one core actor, with the surface of core_proc.CoreProcess."""
 
-    def __init__(self, ray: Any, actor: Any, rank: int, address: str) -> None:
+    def __init__(self, ray: Any, actor: Any, rank: int, address: str, secret: str) -> None:
         self.ray = ray
         self.actor = actor
         self.rank = rank
         self.address = address  # the proposed one until wait_ready tells where the core listens
+        self._proposed_address = address  # its directory is this node's to remove, whichever the core took
+        self.secret = secret
         self.pid: int | None = None
         self._address_ref = actor.address.remote()
         self._run_ref = actor.run.remote()
@@ -184,7 +185,7 @@ class RayCore:
     def shutdown(self) -> None:
         """Stop the core's loop (it closes its weight-transfer group), then kill the actor whatever it did."""
         ray = self.ray
-        remove_address(self.address)
+        remove_ipc_address(self._proposed_address)
         if not ray.is_initialized():  # this process left the cluster (exiting): Ray stopped the actors it owned
             return
         if self.is_alive():
@@ -226,9 +227,8 @@ class RayLauncher:
         rank = config.data_parallel_rank
         # Ray shows the actor only its own GPU (CUDA_VISIBLE_DEVICES): that is cuda:0 there, whatever the rank.
         config = replace(config, device="cuda") if self.on_gpu else config
-        startup = CoreStartup(
-            config, core_address(), None, registered_backends(config), logging.getLogger("rlserve").getEffectiveLevel()
-        )
+        log_level = logging.getLogger("rlserve").getEffectiveLevel()
+        startup = CoreStartup(config, private_ipc_address(), None, registered_backends(config), log_level, new_secret())
         actor = self.actor_class.options(
             num_cpus=0 if self.on_gpu else 1,
             num_gpus=1 if self.on_gpu else 0,
@@ -237,7 +237,7 @@ class RayLauncher:
                 self.placement_group, placement_group_bundle_index=rank
             ),
         ).remote(startup, self.node_id)
-        core = RayCore(self.ray, actor, rank, startup.address)
+        core = RayCore(self.ray, actor, rank, startup.address, startup.secret)
         self.cores.append(core)
         return core
 

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
+from rlserve.engine.core_auth import present_secret
 from rlserve.engine.core_proc import CoreProcess, multiprocessing_enabled, pid_alive
 from rlserve.engine.messages import (
     AbortRequests,
@@ -53,6 +54,19 @@ class EngineDeadError(Exception):
 class RequestRefusedError(RuntimeError):
     """The engine core refused a request it cannot serve now (its weights are incomplete); the message says why and
     what makes it serve again. The engine itself is fine (a server answers 503)."""
+
+    # The request's last output (each sample finished "abort", no token), as the front end that got the refusal
+    # made it: a server ends a stream it had already begun with it.
+    final_output: Any = None
+
+
+class RequestIdInUseError(ValueError):
+    """A request id that a request of this front end still holds (its stream is open, or the core has not ended it
+    yet): the caller's conflict (a server answers 409)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request_id: {request_id!r} is already in use")
+        self.request_id = request_id
 
 
 class RetryableRequestError(RequestRefusedError):
@@ -224,6 +238,7 @@ class MPClient:
     def connect(self) -> dict[str, Any]:
         """Wait for the core to start (the process was started by the constructor) and ask what it is."""
         self.process.wait_ready()
+        present_secret(self.socket, self.process.secret)
         self.socket.connect(self.process.address)  # known once it serves: a Ray actor picks its own
         return self.call("engine_info")
 
@@ -441,8 +456,8 @@ class AsyncInprocClient(AsyncClientBase):
 
 
 class AsyncMPClient(AsyncClientBase):
-    """The core in another process: started here (`config`, by `launch`), or already running (`address` and `pid`,
-    as for the API server processes of `--api-server-count N`, which share one core)."""
+    """The core in another process: started here (`config`, by `launch`), or already running (`address`, `pid` and
+    the core's `secret`, as for the API server processes of `--api-server-count N`, which share one core)."""
 
     in_process = False
 
@@ -452,12 +467,14 @@ class AsyncMPClient(AsyncClientBase):
         *,
         address: str | None = None,
         pid: int | None = None,
+        secret: str | None = None,
         launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch,
     ) -> None:
         super().__init__()
         self.process = launch(config) if config is not None else None
         self.address = address  # of a core started here: known once it serves (connect)
         self.pid = pid
+        self.secret = secret if self.process is None else self.process.secret
         self.codec = Codec()
         self.context: zmq.asyncio.Context | None = None
         self.socket: zmq.asyncio.Socket | None = None
@@ -471,6 +488,7 @@ class AsyncMPClient(AsyncClientBase):
             self.address = self.process.address
         with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
             socket.setsockopt(zmq.LINGER, 0)
+            present_secret(socket, self.secret)
             socket.connect(self.address)
             socket.send(self.codec.encode(UtilityCall(0, "engine_info", [])))
             while True:
@@ -491,6 +509,7 @@ class AsyncMPClient(AsyncClientBase):
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        present_secret(self.socket, self.secret)
         self.socket.connect(self.address)
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
         # A no-op that introduces this socket to the core, which answers with its status: an API server that has

@@ -19,11 +19,9 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import types
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ import msgspec
 import zmq
 
 from rlserve.config import EngineConfig
+from rlserve.engine.core_auth import new_secret, private_ipc_address, remove_ipc_address, require_secret
 from rlserve.engine.dp_lockstep import LockstepLink, PeerLost, rendezvous_store
 from rlserve.engine.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
 from rlserve.log import configure_logging
@@ -80,9 +79,12 @@ class CoreStartup:
     # too, so a backend registered before the engine was created works as in one process.
     extra_backends: dict[str, str]
     log_level: int  # the front end's, for rlserve's loggers: what it logs, the core logs too
+    secret: str  # what every front end presents in its socket's handshake (core_auth.py)
 
 
 class _SocketTransport:
+    in_process = False
+
     def __init__(self, socket: zmq.Socket, codec: Codec) -> None:
         self.socket = socket
         self.codec = codec
@@ -91,7 +93,13 @@ class _SocketTransport:
         self.socket.send_multipart((client, self.codec.encode(pack_outputs(outputs))), copy=False)
 
     def send_result(self, client: bytes, result: UtilityResult) -> None:
-        self.socket.send_multipart((client, self.codec.encode(result)), copy=False)
+        try:
+            message = self.codec.encode(result)
+        except (TypeError, ValueError, OverflowError) as e:  # a call's result must not take the core down
+            logger.exception("the result of a control call cannot be sent")
+            failed = UtilityResult(result.call_id, None, "ValueError", f"result: the engine core cannot send it: {e}")
+            message = self.codec.encode(failed)
+        self.socket.send_multipart((client, message), copy=False)
 
     def send_status(self, client: bytes, status: EngineStatus) -> None:
         self.socket.send_multipart((client, self.codec.encode(status)), copy=False)
@@ -144,6 +152,7 @@ def run_engine_core(
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a front end that left must not block the core
+    authenticator = require_secret(context, socket, startup.secret)
     socket.bind(startup.address)
     codec = Codec()
     service = EngineCoreService(core, _SocketTransport(socket, codec), link)
@@ -192,6 +201,7 @@ def run_engine_core(
         if link is not None:
             link.close()
         socket.close(linger=0)
+        authenticator.stop()
         context.term()
 
 
@@ -200,11 +210,12 @@ class CoreProcess:
     lives, stop it."""
 
     def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
-        self.address = core_address()
+        self.address = private_ipc_address()
+        self.secret = new_secret()
         context = _fork_server_context()
         reader, writer = context.Pipe(duplex=False)
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
-        startup = CoreStartup(config, self.address, os.getpid(), extra_backends, log_level)
+        startup = CoreStartup(config, self.address, os.getpid(), extra_backends, log_level, self.secret)
         self.process = context.Process(
             target=run_engine_core, args=(startup, writer), name="rlserve-engine-core", daemon=True
         )
@@ -282,7 +293,7 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        remove_address(self.address)
+        remove_ipc_address(self.address)
 
 
 def startup_error(detail: str) -> Exception:
@@ -290,18 +301,6 @@ def startup_error(detail: str) -> Exception:
     recognisable."""
     kind, _, message = detail.partition(": ")
     return ValueError(message) if kind == "ValueError" else RuntimeError(detail)
-
-
-def core_address() -> str:
-    """A fresh address for a core on this host."""
-    return f"ipc://{tempfile.gettempdir()}/rlserve-core-{uuid.uuid4().hex[:12]}.sock"
-
-
-def remove_address(address: str) -> None:
-    """Remove the socket file of an ipc address a core bound (the core may have been killed before it could)."""
-    path = address.removeprefix("ipc://")
-    if address.startswith("ipc://") and os.path.exists(path):
-        os.unlink(path)
 
 
 @contextlib.contextmanager

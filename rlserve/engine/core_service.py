@@ -31,6 +31,7 @@ from rlserve.engine.messages import (
     UtilityCall,
     UtilityResult,
     decode_token_ids,
+    plain_data,
     resolve_pause_mode,
 )
 from rlserve.engine.worker.extension import extension_methods
@@ -43,6 +44,8 @@ BACKGROUND_POLL_S = 0.005
 
 
 class Transport(Protocol):
+    in_process: bool  # carries Python objects as they are (a queue), else plain data only (msgpack over ZMQ)
+
     def send_outputs(self, client: ClientId, outputs: list[EngineCoreOutput]) -> None: ...
 
     def send_result(self, client: ClientId, result: UtilityResult) -> None: ...
@@ -58,7 +61,11 @@ class _WaitPause:
 
 
 def error_result(call_id: int, error: BaseException) -> UtilityResult:
-    return UtilityResult(call_id, None, type(error).__name__, str(error))
+    try:
+        message = str(error)
+    except Exception:  # a plugin's exception whose __str__ raises must not take the core down with it
+        message = f"<{type(error).__name__} whose message cannot be printed>"
+    return UtilityResult(call_id, None, type(error).__name__, message)
 
 
 def pack_tensors(weights) -> list[list]:
@@ -341,7 +348,12 @@ class EngineCoreService:
         self._end_wait_pauses(clear_cache=False)
 
     def collective_rpc(self, client: ClientId, call: UtilityCall, method, args, kwargs) -> list[Any]:
-        return self.core.collective_rpc(method, tuple(args), kwargs)
+        """A worker method's results as they are for a front end in this process; as plain data (tensors as lists)
+        for one in another, or a ValueError naming the method (a result the socket cannot carry must not reach it)."""
+        results = self.core.collective_rpc(method, tuple(args), kwargs)
+        if self.transport.in_process:
+            return results
+        return plain_data(results, f"method: {method!r}")
 
     def load_weights(self, client: ClientId, call: UtilityCall, weights: list, reset_prefix_cache: bool) -> int:
         """(name, tensor) pairs from a front end in this process, packed ones (pack_tensors) from another."""

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from rlserve.sampling_params import SamplingParams
 
+# The tokens of a request's bad words, all told: each is matched on the device at every step of the request.
+# 128 words of 300 characters (today's bounds on strings) are tens of thousands.
+MAX_BAD_WORD_TOKENS = 4096
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -32,6 +36,19 @@ class EngineLimits:
             k = getattr(params, name)
             if k is not None and k > limit:
                 raise ValueError(f"{name}: {k} is above the engine's limit min(max_logprobs, vocab size) = {limit}")
+        allowed = params.allowed_token_ids
+        if allowed is not None and len(allowed) > self.vocab_size:
+            # Each id is one of the vocabulary's: a longer list only repeats some (a million of them held the engine
+            # for seconds).
+            raise ValueError(
+                f"allowed_token_ids: at most {self.vocab_size} ids (the vocabulary's size), got {len(allowed)}"
+            )
+        bad_word_tokens = sum(map(len, params.bad_words_token_ids or ()))
+        if bad_word_tokens > MAX_BAD_WORD_TOKENS:
+            raise ValueError(
+                f"bad_words: {bad_word_tokens} tokens in all (each word as written and after a space), more than "
+                f"{MAX_BAD_WORD_TOKENS}"
+            )
         token_id_fields = {
             "stop_token_ids": params.stop_token_ids,
             "logit_bias": params.logit_bias or (),

@@ -216,8 +216,7 @@ class EngineFrontEnd:
     ) -> list[Any]:
         """start_profile's arguments for the core, checked here first (the core checks them again): vLLM's
         RuntimeError when profiling is not configured, a ValueError naming a bad argument."""
-        require_profiling(self.config)
-        check_session(profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
+        check_session(require_profiling(self.config), profile_prefix, delay_iterations, max_iterations, profiler_kwargs)
         return [profile_prefix, delay_iterations, max_iterations, profiler_kwargs]
 
     @staticmethod

@@ -316,6 +316,40 @@ def decode_token_ids(buf: bytes) -> list[int]:
     return _ints(buf)
 
 
+# The most elements of one tensor or array a collective_rpc result may carry as a list (each costs the core's loop):
+# larger results belong in a file the method writes.
+MAX_RESULT_ARRAY_ELEMENTS = 1 << 22
+
+
+def _array_as_list(value: Any) -> Any:
+    """msgspec's hook for what it cannot encode itself: a tensor or a numpy array (or scalar) as nested lists,
+    anything else refused by type."""
+    import torch  # the core has it loaded; a front end only gets here with a result to convert
+
+    if isinstance(value, torch.Tensor | np.ndarray | np.generic):
+        size = value.numel() if isinstance(value, torch.Tensor) else value.size
+        if size > MAX_RESULT_ARRAY_ELEMENTS:
+            raise ValueError(
+                f"a {type(value).__name__} of {size} elements is more than {MAX_RESULT_ARRAY_ELEMENTS} that a result "
+                "carries as a list; write it to a file and return the path"
+            )
+        return value.detach().cpu().tolist() if isinstance(value, torch.Tensor) else value.tolist()
+    raise TypeError(f"a {type(value).__module__}.{type(value).__qualname__} is not plain data")
+
+
+def plain_data(value: Any, what: str) -> Any:
+    """`value` as data the core's messages carry (msgpack): containers, numbers, strings, bytes, tensors and arrays
+    as lists; a ValueError naming `what` for anything else (an object, a 65-bit integer)."""
+    try:
+        data = msgspec.to_builtins(value, builtin_types=(bytes, bytearray), enc_hook=_array_as_list)
+        msgspec.msgpack.encode(data)  # the integers msgpack cannot carry fail here rather than at the send
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise ValueError(
+            f"{what} returned what the engine core cannot send ({e}); return numbers, strings, lists, dicts or tensors"
+        ) from None
+    return data
+
+
 class Codec:
     """msgpack encoders/decoders for each direction (reused: msgspec's are cheapest when kept)."""
 

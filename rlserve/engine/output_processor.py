@@ -8,6 +8,7 @@ end's clock for arrival and end, the core's step times for the rest. Both are ti
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,6 +89,27 @@ class OutputProcessor:
         # Request id -> the core's refusal of it; the front end takes it (`take_error`) with the request's final
         # output and raises it instead. Empty but for refusals.
         self.errors: dict[str, RequestRefusedError] = {}
+        # Child id -> request id, for the samples this front end is done with that the core has not ended yet (an
+        # abort on its way): their late outputs must not reach a new request of the same id.
+        self.unended: dict[str, str] = {}
+        self._unended_requests: Counter[str] = Counter()
+
+    def in_use(self, request_id: str, n: int = 1) -> bool:
+        """Whether a request `request_id` of `n` samples would share an id with one the core may still run."""
+        if request_id in self.states or request_id in self._unended_requests:
+            return True
+        children = (child_request_id(request_id, i, n) for i in range(n))
+        return any(c in self.child_to_parent or c in self.unended for c in children)
+
+    def _left_to_the_core(self, child_id: str, request_id: str) -> None:
+        self.unended[child_id] = request_id
+        self._unended_requests[request_id] += 1
+
+    def _ended_by_the_core(self, child_id: str) -> None:
+        request_id = self.unended.pop(child_id)
+        self._unended_requests[request_id] -= 1
+        if not self._unended_requests[request_id]:
+            del self._unended_requests[request_id]
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
@@ -143,6 +165,10 @@ class OutputProcessor:
         to_abort: list[str] = []
         stats = self.stats
         for out in core_outputs:
+            if self.unended and out.request_id in self.unended:
+                if out.finish_reason is not None:
+                    self._ended_by_the_core(out.request_id)
+                continue
             parent = self.child_to_parent.get(out.request_id)
             if parent is None:
                 continue
@@ -164,6 +190,7 @@ class OutputProcessor:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             elif sample.finish_reason is not None and out.finish_reason is None:
                 to_abort.append(out.request_id)  # finished by a stop string
+                self._left_to_the_core(out.request_id, state.request_id)
             if sample.finish_reason is not None:
                 self.child_to_parent.pop(out.request_id, None)
                 if stats is not None:
@@ -253,17 +280,21 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
         )
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Mark every unfinished sample of the request aborted and return its final output."""
+    def abort(self, request_id: str, in_core: bool = True) -> RequestOutput | None:
+        """Mark every unfinished sample of the request aborted and return its final output. `in_core`: the core
+        got the request, so its id stays in use until the core ends each sample (False: the send failed)."""
         state = self.states.get(request_id)
         if state is None:
             return None
         for s in state.samples:
+            child_id = child_request_id(request_id, s.index, len(state.samples))
             if s.finish_reason is None:
                 s.finish_reason = "abort"
+                if in_core:
+                    self._left_to_the_core(child_id, request_id)
                 if self.stats is not None:
                     _observe_finished(self.stats, state, s)
-            self.child_to_parent.pop(child_request_id(request_id, s.index, len(state.samples)), None)
+            self.child_to_parent.pop(child_id, None)
         del self.states[request_id]
         return self._make_output(state, finished=True)
 

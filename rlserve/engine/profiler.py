@@ -52,12 +52,14 @@ def require_profiling(config: EngineConfig) -> ProfilerConfig:
 
 
 def check_session(
+    config: ProfilerConfig,
     profile_prefix: str | None,
     delay_iterations: int | None,
     max_iterations: int | None,
     profiler_kwargs: dict[str, Any] | None,
 ) -> None:
-    """start_profile's arguments, checked as vLLM checks them (a ValueError naming the argument)."""
+    """start_profile's arguments, checked as vLLM checks them (a ValueError naming the argument); and the operator's
+    `max_iterations` is a ceiling: a session may trace fewer steps, never more (nor until stop_profile)."""
     prefix = profile_prefix
     if prefix is not None:
         # vLLM's rule: a prefix is part of a file name, never a path
@@ -76,6 +78,12 @@ def check_session(
     for name, value in (("delay_iterations", delay_iterations), ("max_iterations", max_iterations)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an integer greater than or equal to 0, got {value!r}")
+    ceiling = config.max_iterations
+    if ceiling and max_iterations is not None and not 0 < max_iterations <= ceiling:
+        raise ValueError(
+            f"max_iterations: at most {ceiling}, the operator's profiler_config.max_iterations (0, tracing until "
+            f"stop_profile, is more), got {max_iterations}"
+        )
     if profiler_kwargs is not None:
         if not isinstance(profiler_kwargs, dict):
             raise ValueError(f"profiler_kwargs: expected a dict, got {type(profiler_kwargs).__name__}")

@@ -27,6 +27,16 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(frozen=True)
+class BadWordsOnDevice:
+    """A request's bad words (logits_inputs.py): each word's last token, and its other tokens right-aligned in
+    `width` columns (-1 pads: any token)."""
+
+    last_token_ids: torch.Tensor  # [words]
+    prefixes: torch.Tensor  # [words, width]
+    width: int
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -66,6 +76,9 @@ class Request:
     # the positions whose routing was sent already (step by step, to a request with stop strings).
     routed_experts: np.ndarray | None = None
     num_routed_experts_sent: int = 0
+    # Its allowed_token_ids on the device, deduplicated: built at its first step, reused by every later one.
+    allowed_token_ids_on_device: torch.Tensor | None = None
+    bad_words_on_device: BadWordsOnDevice | None = None  # the same for its bad words
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -24,7 +24,13 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
+from rlserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestIdInUseError,
+    RequestRefusedError,
+    RetryableRequestError,
+)
 from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
 from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
@@ -126,6 +132,10 @@ def make_auth(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[None]]:
     return check_api_key
 
 
+def _id_conflict(error: RequestIdInUseError) -> APIError:
+    return APIError(409, f"{error} (the engine still ends an earlier request of that id)", "request_id")
+
+
 class _Usage:
     """Token counts of one API request, summed over its prompts and choices."""
 
@@ -211,7 +221,9 @@ class OpenAIServing:
     # ---- shared ----
 
     def _claim(self, key: str) -> None:
-        if key in self.active:
+        # The engine holds an id a little past its stream's end: until the core has ended an aborted request, whose
+        # late outputs would otherwise reach a new request of the same id.
+        if key in self.active or self.engine.request_in_use(key):
             raise APIError(409, f"request_id: {key!r} is already in flight", "request_id")
 
     def _request_ids(self, req: _GenerationRequest, prefix: str) -> tuple[str, str]:
@@ -289,11 +301,13 @@ class OpenAIServing:
             raise APIError(503, PAUSED_REFUSAL)
 
     async def _generate(
-        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request
+        self, request_id: str, prompts: list[ValidatedPrompt], raw: Request, streaming: bool = False
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine outputs of every prompt of one API request, tagged with the prompt's index. `X-Session-ID`
         (vLLM's routing affinity) sends a session's requests to one data-parallel rank, whose prefix cache holds
-        the earlier turns."""
+        the earlier turns. `streaming`: the response has begun, so a prompt that an abort pause refused on its way
+        to the core (it was accepted before the pause) ends as the pause ended the others, with finish_reason
+        "abort", rather than with a retryable error that a begun stream can only carry as an error event."""
         session_id = raw.headers.get(SESSION_HEADER)
         self._claim(request_id)  # again: another request may have taken the id since this one was checked
         if len(prompts) == 1:
@@ -304,6 +318,12 @@ class OpenAIServing:
                 ) as outputs:
                     async for out in outputs:
                         yield 0, out
+            except RetryableRequestError as e:
+                if not streaming or e.final_output is None:
+                    raise
+                yield 0, e.final_output
+            except RequestIdInUseError as e:  # one of its n samples' ids, which the core still holds
+                raise _id_conflict(e) from e
             finally:
                 self.active.pop(request_id, None)
             return
@@ -318,6 +338,9 @@ class OpenAIServing:
                 ) as outputs:
                     async for out in outputs:
                         queue.put_nowait((i, out, None))
+            except RetryableRequestError as e:
+                ended = streaming and e.final_output is not None
+                queue.put_nowait((i, e.final_output, None) if ended else (i, None, e))
             except Exception as e:
                 queue.put_nowait((i, None, e))
 
@@ -326,6 +349,8 @@ class OpenAIServing:
             remaining = len(prompts)
             while remaining:
                 i, out, error = await queue.get()
+                if isinstance(error, RequestIdInUseError):
+                    raise _id_conflict(error) from error
                 if error is not None:
                     raise error
                 yield i, out
@@ -441,7 +466,7 @@ class OpenAIServing:
             def usage_chunk(usage: UsageInfo) -> BaseModel:
                 return CompletionStreamResponse(id=response_id, model=model, choices=[], usage=usage)
 
-            outputs = self._generate(request_id, prompts, raw)
+            outputs = self._generate(request_id, prompts, raw, streaming=True)
             body = self._stream(outputs, n, req.include_usage, chunk, usage_chunk, [])
             return StreamingResponse(body, media_type="text/event-stream")
 
@@ -617,7 +642,7 @@ class OpenAIServing:
             first_chunks = [preamble(DeltaMessage(role="assistant", content=""), i) for i in range(params.n)]
             if echoed:
                 first_chunks += [preamble(DeltaMessage(content=echoed), i) for i in range(params.n)]
-            outputs = self._generate(request_id, prompts, raw)
+            outputs = self._generate(request_id, prompts, raw, streaming=True)
             body = self._stream(outputs, params.n, req.include_usage, chunk, usage_chunk, first_chunks)
             return StreamingResponse(body, media_type="text/event-stream")
 
@@ -702,7 +727,12 @@ class OpenAIServing:
                 return GenerateStreamResponse(request_id=request_id, choices=[], usage=usage)
 
             body = self._stream(
-                self._generate(request_id, prompts, raw), params.n, req.include_usage, chunk, usage_chunk, []
+                self._generate(request_id, prompts, raw, streaming=True),
+                params.n,
+                req.include_usage,
+                chunk,
+                usage_chunk,
+                [],
             )
             return StreamingResponse(body, media_type="text/event-stream")
 

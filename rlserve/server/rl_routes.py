@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
@@ -23,8 +22,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
+from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
+from rlserve.engine.call_policy import check_rpc_method, confined_weight_dir
+from rlserve.engine.messages import SLEEP_MODES
 from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
@@ -115,18 +115,13 @@ async def _engine_call(
 
 
 def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
-    """The real path of `weight_dir` if it lies under a directory the operator allowed (--allowed-weight-dirs);
-    links are resolved first, so none leads out of them."""
-    if "\0" in weight_dir:  # no path holds one (os.path raises ValueError)
-        raise APIError(400, "weight_dir: holds a NUL character", "weight_dir")
-    real = os.path.realpath(weight_dir)
-    roots = [os.path.realpath(a) for a in allowed]
-    if not any(os.path.commonpath([real, root]) == root for root in roots):
-        why = "no directory is allowed (--allowed-weight-dirs)" if not roots else f"allowed: {roots}"
-        raise APIError(403, f"weight_dir: {weight_dir!r} is not under an allowed directory; {why}", "weight_dir")
-    if not os.path.isdir(real):
-        raise APIError(400, f"weight_dir: {weight_dir!r} is not a directory", "weight_dir")
-    return real
+    """confined_weight_dir's answer as HTTP's: 403 outside the allowed directories, 400 for no directory."""
+    try:
+        return confined_weight_dir(weight_dir, allowed)
+    except PermissionError as e:
+        raise APIError(403, str(e), "weight_dir") from e
+    except ValueError as e:
+        raise APIError(400, str(e), "weight_dir") from e
 
 
 def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collection[str]) -> None:
@@ -277,10 +272,10 @@ def build_rl_router(
         # Only the methods of the server's --worker-extension-cls, never the worker's own attributes: the caller
         # names code the operator installed, it cannot reach into the engine.
         method = body.method
-        allowed = engine.worker_extension_methods() | set(ENGINE_RPC_METHODS)
-        if method not in allowed:
-            message = f"method: {method!r} is not a method of the worker extension (callable: {sorted(allowed)})"
-            raise APIError(400, message, "method")
+        try:
+            check_rpc_method(method, engine.worker_extension_methods())
+        except ValueError as e:
+            raise APIError(400, str(e), "method") from e
         if method == "reload_weights":
             _check_reload_args(body, allowed_weight_dirs)
         for earlier, running in list(timed_out_rpcs.items()):
@@ -303,6 +298,10 @@ def build_rl_router(
                 "so it runs on (other calls are refused until it returns) and its result is dropped"
             )
             raise APIError(504, message, "timeout") from None
+        except (APIError, EngineDeadError, RequestRefusedError):
+            raise
+        except Exception as e:  # the extension's own error (a KeyError, a TypeError of its arguments): the call's
+            raise APIError(400, f"method: {method!r} raised {type(e).__name__}: {e}", "method") from e
         return {"results": [_jsonable(r) for r in results]}
 
     @router.get("/get_world_size")

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlserve.dtypes import dtype_name
 from rlserve.engine.args import engine_kwargs
@@ -170,8 +170,15 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _run_api_server(args: argparse.Namespace, sock: socket.socket, shared_cores: list[tuple[str, int]] | None) -> int:
-    engine = AsyncLLM(args.model, shared_cores=shared_cores, **engine_kwargs(args))
+def _core_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's keywords, with the weight directories the routes allow: the core checks them again itself."""
+    return {**engine_kwargs(args), "allowed_weight_dirs": tuple(args.allowed_weight_dirs)}
+
+
+def _run_api_server(
+    args: argparse.Namespace, sock: socket.socket, shared_cores: list[tuple[str, int, str]] | None
+) -> int:
+    engine = AsyncLLM(args.model, shared_cores=shared_cores, **_core_kwargs(args))
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
             return runner.run(_serve_until_engine_dies(engine, args, sock))
@@ -179,7 +186,9 @@ def _run_api_server(args: argparse.Namespace, sock: socket.socket, shared_cores:
         engine.shutdown()
 
 
-def _api_server_process(args: argparse.Namespace, sock: socket.socket, shared_cores: list[tuple[str, int]]) -> None:
+def _api_server_process(
+    args: argparse.Namespace, sock: socket.socket, shared_cores: list[tuple[str, int, str]]
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor stops us with SIGTERM
     configure_logging(args.log_level)
     sys.exit(_run_api_server(args, sock, shared_cores))
@@ -188,8 +197,8 @@ def _api_server_process(args: argparse.Namespace, sock: socket.socket, shared_co
 def _supervise(args: argparse.Namespace, sock: socket.socket) -> int:
     """Start the cores (one per data-parallel rank) and args.api_server_count API servers, each a client of every
     core; return when one of them ends (or on SIGTERM)."""
-    cores = start_shared_cores(args.model, **engine_kwargs(args))
-    shared = [(core.address, core.pid) for core in cores]
+    cores = start_shared_cores(args.model, **_core_kwargs(args))
+    shared = [(core.address, core.pid, core.secret) for core in cores]
     context = multiprocessing.get_context("spawn")
     servers = [
         context.Process(target=_api_server_process, args=(args, sock, shared), name=f"rlserve-api-{i}", daemon=True)

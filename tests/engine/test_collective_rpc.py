@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_a_function_runs_with_the_worker_first_in_process(qwen3_dir, make_llm) -
 
 def test_collective_rpc_errors(qwen3_dir, make_llm) -> None:
     llm = make_llm(qwen3_dir, worker_extension_cls=EXTENSION)
-    with pytest.raises(ValueError, match="no method 'nope'"):
+    with pytest.raises(ValueError, match="^method: 'nope' is not a method of the worker extension"):
         llm.collective_rpc("nope")
     with pytest.raises(ValueError, match="the extension refused"):
         llm.collective_rpc("fail")
@@ -53,6 +54,27 @@ def test_collective_rpc_errors(qwen3_dir, make_llm) -> None:
         make_llm(qwen3_dir, worker_extension_cls="worker_extension:ClashingExtension")
     with pytest.raises(ValueError, match="cannot import"):
         make_llm(qwen3_dir, worker_extension_cls="worker_extension:Missing")
+
+
+def test_the_core_refuses_what_the_server_refuses(qwen3_dir, qwen3_alt_dir, make_llm, tmp_path) -> None:
+    """Issue 28 row 2, defence in depth: whoever reaches the core's socket (with its secret: this LLM), the core
+    itself refuses the worker's own attributes by name (HTTP's 400) and, with allowed_weight_dirs, a checkpoint
+    directory outside them (HTTP's 403); inside them it loads."""
+    allowed = tmp_path / "allowed"
+    shutil.copytree(qwen3_alt_dir, allowed / "alt")
+    llm = make_llm(qwen3_dir, worker_extension_cls=EXTENSION, allowed_weight_dirs=(str(allowed),))
+    for method in ("__init__", "_private", "model_runner"):
+        with pytest.raises(ValueError, match=f"^method: '{method}' is not a method of the worker extension"):
+            llm.collective_rpc(method)
+    with pytest.raises(PermissionError, match="^weights_path: .* is not under an allowed directory"):
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(qwen3_alt_dir)})
+    with pytest.raises(PermissionError, match="^weight_dir: .* is not under an allowed directory"):
+        llm.client.call("load_weights_from_dir", str(qwen3_alt_dir))
+    before = tokens(llm)
+    assert llm.client.call("load_weights_from_dir", str(allowed / "alt")) > 0
+    assert tokens(llm) != before
+    llm.collective_rpc("reload_weights")  # the served model's own directory, whatever the allowed ones
+    assert tokens(llm) == before
 
 
 def test_async_collective_rpc_runs_between_steps(qwen3_dir) -> None:
