@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
@@ -57,8 +57,9 @@ class LoRAAdapters:
             return None
         adapter = self.loaded.get(model)
         if adapter is None:
-            served = ", ".join(f"`{name}`" for name in [*self.base_model_names, *self.loaded])
-            raise APIError(404, f"The model `{model}` does not exist (this server serves {served}).", "model")
+            # vLLM's words, and no list: a caller is not told which names and adapters the server has (/v1/models,
+            # behind the key, lists them).
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
         return adapter
 
     async def load(self, name: str, path: str, load_inplace: bool = False, base_model_name: str | None = None) -> str:
@@ -113,8 +114,8 @@ class LoRAAdapters:
         ]
 
 
-def build_lora_router(adapters: LoRAAdapters, auth: Callable[..., Awaitable[None]]) -> APIRouter:
-    router = APIRouter(tags=["lora"], dependencies=[Depends(auth)])
+def build_lora_router(adapters: LoRAAdapters) -> APIRouter:
+    router = APIRouter(tags=["lora"])
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> str:

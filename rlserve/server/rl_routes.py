@@ -1,9 +1,10 @@
 """vLLM's RL control routes (paths and bodies of its dev-mode RLHF router), and its profiling routes, behind the
-server's API key.
+server's RL key.
 
-Unlike vLLM, which serves them unauthenticated in dev mode, every route here depends on `auth`: these routes pause
-generation and overwrite the model. Errors: a ValueError (bad input) is a 400 naming the field, a RuntimeError (a call
-out of lifecycle order, e.g. update before start) a 409; neither takes the server down.
+Unlike vLLM, which serves them unauthenticated in dev mode, every route here needs `--rl-api-key` (access.py checks
+it before the body is read): these routes pause generation and overwrite the model. Errors: a ValueError (bad input)
+is a 400 naming the field, a RuntimeError (a call out of lifecycle order, e.g. update before start) a 409; neither
+takes the server down.
 
 Bodies are pydantic models (in the OpenAPI document, so clients and fuzzers see them): malformed JSON, a body that
 is not UTF-8, a wrong type or an unknown field is a 400 naming the field (the server's validation handler).
@@ -145,7 +146,6 @@ def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collecti
 def build_rl_router(
     engine: AsyncLLM,
     active_requests: Mapping[str, list[str]],
-    auth: Callable[..., Awaitable[None]],
     metrics: ServerMetrics,
     allowed_weight_dirs: Collection[str] = (),
 ) -> APIRouter:
@@ -159,7 +159,7 @@ def build_rl_router(
         finally:
             metrics.observe_rl_call(request.scope["route"].path, time.perf_counter() - start)
 
-    router = APIRouter(dependencies=[Depends(auth), Depends(timed)], tags=["rl"])
+    router = APIRouter(dependencies=[Depends(timed)], tags=["rl"])
     # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
     timed_out_rpcs: dict[str, asyncio.Future] = {}
 

@@ -31,10 +31,10 @@ from rlserve.engine.args import engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
-from rlserve.server.app import build_app
+from rlserve.server.app import RL_API_KEY_ENV, build_app
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.protocol import APIError
-from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
+from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys, rl_api_keys
 
 if TYPE_CHECKING:
     import uvicorn
@@ -85,14 +85,23 @@ def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
 async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
+    rl_api_keyed = args.rl_api_auth == "key"
+    if args.enable_rl_api and rl_api_keyed and not rl_api_keys(args):
+        logger.warning(
+            "the RL routes accept the --api-key keys: any /v1 client may pause the engine and overwrite its weights; "
+            "give the control plane a key of its own with --rl-api-key (or $%s)",
+            RL_API_KEY_ENV,
+        )
     app = build_app(
         engine,
         api_keys(args),
         args.enable_rl_api,
         args.served_model_name,
-        rl_api_keyed=args.rl_api_auth == "key",
+        rl_api_keyed=rl_api_keyed,
+        rl_api_key=rl_api_keys(args),
         defaults=args.serving_defaults,
         allowed_weight_dirs=args.allowed_weight_dirs,
+        bound_host=args.host,
     )
     for module in args.lora_modules:
         name, path, base = module["name"], module["path"], module["base_model_name"]

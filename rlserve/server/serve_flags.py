@@ -18,7 +18,7 @@ from typing import Any
 
 from rlserve.engine.args import FlagParser, add_engine_arguments
 from rlserve.hub import resolve_model
-from rlserve.server.app import API_KEY_ENV
+from rlserve.server.app import API_KEY_ENV, RL_API_KEY_ENV
 from rlserve.server.defaults import (
     GENERATION_CONFIG_CHOICES,
     ServingDefaults,
@@ -89,7 +89,30 @@ def is_loopback(host: str) -> bool:
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    return list(args.api_key or []) or [key for key in [os.environ.get(API_KEY_ENV)] if key]
+    return _given_keys(args.api_key, API_KEY_ENV)
+
+
+def rl_api_keys(args: argparse.Namespace) -> list[str]:
+    """The RL routes' own keys (--rl-api-key, else $RLSERVE_RL_API_KEY); none: they take the /v1 keys."""
+    return _given_keys(args.rl_api_key, RL_API_KEY_ENV)
+
+
+def _given_keys(flag_values: Sequence[str] | None, env_name: str) -> list[str]:
+    if flag_values is not None:
+        return list(flag_values)
+    value = os.environ.get(env_name)
+    return [value] if value else []  # an empty variable is unset (the shell's `VAR=`)
+
+
+def _check_api_keys(args: argparse.Namespace) -> None:
+    """An empty or blank key would let `Authorization: Bearer ` (no token) through, i.e. no key at all: refused,
+    as a missing one is."""
+    for flag, env_name, keys in (
+        ("--api-key", API_KEY_ENV, api_keys(args)),
+        ("--rl-api-key", RL_API_KEY_ENV, rl_api_keys(args)),
+    ):
+        if any(not key.strip() for key in keys):
+            raise ValueError(f"{flag} (or ${env_name}): a key must not be empty or only whitespace")
 
 
 def _check_model(args: argparse.Namespace) -> None:
@@ -138,10 +161,13 @@ def _check_rl_api_auth(args: argparse.Namespace) -> None:
                 f"the RL routes are served without a key and {args.host} is not a loopback address: name the "
                 "address with --host to serve them there, or use --rl-api-auth key with --api-key"
             )
-    elif args.enable_rl_api and not api_keys(args):
+        if rl_api_keys(args):
+            raise ValueError("--rl-api-key: the RL routes are served without a key (--rl-api-auth none)")
+    elif args.enable_rl_api and not (rl_api_keys(args) or api_keys(args)):
         raise ValueError(
-            f"--enable-rl-api needs an API key (--api-key KEY or ${API_KEY_ENV}): the RL routes pause generation and "
-            "overwrite weights; --rl-api-auth none serves them without one, for vLLM dev-mode clients"
+            f"--enable-rl-api needs an API key (--rl-api-key KEY, --api-key KEY or ${API_KEY_ENV}): the RL routes "
+            "pause generation and overwrite weights; --rl-api-auth none serves them without one, for vLLM dev-mode "
+            "clients"
         )
 
 
@@ -233,6 +259,7 @@ def _check_keep_alive(args: argparse.Namespace) -> None:
 SERVE_CHECKS = (
     _check_model,
     _check_quantization,
+    _check_api_keys,
     _check_rl_api_auth,
     _check_profiler_routes,
     _check_tool_calls,
@@ -252,7 +279,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--api-key",
         nargs="+",
         default=None,
-        help=f"keys accepted on /v1 and RL routes, any one (default: ${API_KEY_ENV})",
+        help=f"keys accepted on /v1, tokenization and /server_info, any one (default: ${API_KEY_ENV}); also on the "
+        "RL routes unless --rl-api-key is given",
+    )
+    serve.add_argument(
+        "--rl-api-key",
+        nargs="+",
+        default=None,
+        help=f"keys accepted on the RL control routes (pause, weight updates, ...), any one (default: "
+        f"${RL_API_KEY_ENV}, else the --api-key keys, with a warning: then any /v1 client controls the engine)",
     )
     serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
     serve.add_argument(

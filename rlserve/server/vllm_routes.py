@@ -2,8 +2,9 @@
 (`/inference/v1/generate`), prompt rendering (`/v1/completions/render`, `/v1/chat/completions/render`), tokenization
 (`/tokenize`, `/detokenize`) and server facts (`/server_info`, `/load`).
 
-Authentication follows vLLM's `--api-key`: the `/v1` and `/inference` routes and `/server_info` (the engine's
-configuration) need the key; tokenization and the load figure, which reveal nothing about the engine, do not.
+Authentication (access.py): every route here but the load figure needs `--api-key` when one is set, tokenization
+included (vLLM leaves it open; here it runs on the prompt thread that /v1 shares, so an open one let anyone delay
+keyed requests).
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import dataclasses
 import json
 import os
 import platform
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
@@ -58,21 +58,20 @@ class DetokenizeRequest(_StrictModel):
     tokens: list[int]
 
 
-def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None]]) -> APIRouter:
+def build_vllm_router(serving: OpenAIServing) -> APIRouter:
     engine = serving.engine
     tokenizer = engine.tokenizer
     router = APIRouter(tags=["vllm"])
-    keyed = [Depends(auth)]
 
-    @router.post("/inference/v1/generate", dependencies=keyed)
+    @router.post("/inference/v1/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
         return await serving.generate_tokens(req, raw)
 
-    @router.post("/v1/completions/render", dependencies=keyed)
+    @router.post("/v1/completions/render")
     async def render_completion(req: CompletionRequest) -> list[dict]:
         return await serving.render_completion(req)
 
-    @router.post("/v1/chat/completions/render", dependencies=keyed)
+    @router.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> dict:
         return await serving.render_chat(req)
 
@@ -119,7 +118,7 @@ def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": await serving.off_loop(lambda: tokenizer.decode(req.tokens))}
 
-    @router.get("/server_info", dependencies=keyed)
+    @router.get("/server_info")
     async def server_info(config_format: str = "text") -> dict[str, Any]:
         """vLLM's shape: the engine's configuration (its `vllm_config`), the VLLM_/RLSERVE_ environment (no keys),
         and the system."""

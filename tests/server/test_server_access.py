@@ -1,0 +1,134 @@
+"""Issue 28's attacks on the HTTP server, replayed against real `rlserve serve` processes on 127.0.0.1: who may call
+which route (separate /v1 and RL keys, checked before the body is read), keyless RL routes refusing cross-origin and
+rebinding requests, an empty key refused at start, and incomplete requests closed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from conftest import _serve
+from server_helpers import API_KEY, MODEL_NAME, Server
+from test_server_errors import assert_error
+
+RL_KEY = "rl-test-key"
+RL_HEADERS = {"Authorization": f"Bearer {RL_KEY}"}
+SOCKET_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def keyed_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """/v1 under API_KEY, the RL routes under RL_KEY."""
+    log = tmp_path_factory.mktemp("server-logs") / "keyed.log"
+    yield from _serve(server_model_dir, log, "--enable-rl-api", "--rl-api-key", RL_KEY, api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def keyless_rl_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """vLLM dev mode's keyless RL routes (--rl-api-auth none), on loopback."""
+    log = tmp_path_factory.mktemp("server-logs") / "keyless.log"
+    yield from _serve(server_model_dir, log, "--enable-rl-api", "--rl-api-auth", "none", api_key=None)
+
+
+def _address(server: Server) -> tuple[str, int]:
+    parts = urlsplit(server.url)
+    return parts.hostname, parts.port
+
+
+def _raw_exchange(server: Server, head: bytes, body_part: bytes) -> bytes:
+    """Send a request head and part of its body, then read what the server answers without the rest."""
+    with socket.create_connection(_address(server), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall(head + body_part)
+        received = b""
+        while b"\r\n\r\n" not in received or not received.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        return received
+
+
+def test_a_keyless_15_mb_body_is_refused_before_it_is_read(keyed_server: Server) -> None:
+    """The 401 comes while the body is still unsent: nothing was decoded (issue 28, row 7)."""
+    declared = 15 * 1024 * 1024
+    for path in ("/v1/completions", "/update_weights"):
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {declared}\r\n\r\n"
+        ).encode()
+        start = time.perf_counter()
+        answer = _raw_exchange(keyed_server, head, b'{"prompt": "' + b"x" * 1000)
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert b"missing or wrong API key" in answer
+        assert time.perf_counter() - start < SOCKET_TIMEOUT_S / 2
+    with keyed_server.client() as http:
+        assert http.get("/health").status_code == 200
+
+
+def test_the_rl_routes_and_v1_take_separate_keys(keyed_server: Server) -> None:
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as http:
+        v1, rl = keyed_server.headers, RL_HEADERS
+        assert http.get("/v1/models", headers=v1).status_code == 200
+        assert_error(http.get("/v1/models", headers=rl), 401)
+        assert http.get("/is_paused", headers=rl).json() == {"is_paused": False}
+        refused = assert_error(http.post("/pause", headers=v1), 401)
+        assert "--rl-api-key" in refused["message"]
+        assert http.get("/is_paused", headers=rl).json() == {"is_paused": False}
+        # Tokenization is keyed like /v1 (issue 28, row 4); the public routes are not.
+        for response in (
+            http.post("/tokenize", json={"prompt": "hi"}),
+            http.post("/detokenize", json={"tokens": [1]}),
+            http.get("/server_info"),
+        ):
+            assert_error(response, 401)
+        assert http.post("/tokenize", json={"prompt": "hi"}, headers=v1).status_code == 200
+        for path in ("/health", "/version", "/metrics", "/load", "/openapi.json"):
+            assert http.get(path).status_code == 200, path
+
+
+def test_one_key_for_both_logs_a_warning(server: Server) -> None:
+    """The shared `server` has one --api-key for /v1 and the RL routes: the start-up log says what that allows."""
+    assert "give the control plane a key of its own with --rl-api-key" in server.log.read_text(errors="replace")
+
+
+def test_keyless_rl_routes_refuse_foreign_origins_and_hosts(keyless_rl_server: Server) -> None:
+    """A browser page's text/plain POST (no preflight), from another origin or through DNS rebinding, must not pause
+    the engine (issue 28, row 6); a script on the machine still needs no key."""
+    host, port = _address(keyless_rl_server)
+    with httpx.Client(base_url=keyless_rl_server.url, timeout=30) as http:
+        plain = {"Content-Type": "text/plain"}
+        cross_origin = {**plain, "Origin": "http://evil.example"}
+        assert_error(http.post("/pause", params={"mode": "keep"}, headers=cross_origin), 403, "Origin")
+        rebound = {**plain, "Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+        assert_error(http.post("/sleep", params={"level": 1}, headers=rebound), 403, "Host")
+        assert_error(http.post("/pause", headers={"Origin": "null"}), 403, "Origin")
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        # Same-host clients: by address, by localhost, or a page of the server's own origin.
+        assert http.get("/is_paused", headers={"Host": f"localhost:{port}"}).status_code == 200
+        same_origin = {"Origin": f"http://{host}:{port}"}
+        assert http.get("/is_paused", headers=same_origin).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_key_is_refused_at_start(server_model_dir: Path, key: str) -> None:
+    """`--api-key ''` would let `Authorization: Bearer ` pause the engine (issue 28, row 12): a usage error."""
+    for flag in ("--api-key", "--rl-api-key"):
+        cmd = [sys.executable, "-m", "rlserve.cli", "serve", str(server_model_dir), "--enable-rl-api", flag, key]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"{flag} (or $" in result.stderr and "must not be empty" in result.stderr
+
+
+def test_models_404_names_nothing_served(keyed_server: Server) -> None:
+    """An unknown model's 404 lists neither the served names nor the adapters (issue 28, row 4)."""
+    with keyed_server.client() as http:
+        error = assert_error(http.post("/v1/completions", json={"model": "nope", "prompt": "hi"}), 404, "model")
+        assert MODEL_NAME not in error["message"] and "nope" in error["message"]
