@@ -13,6 +13,7 @@ through DNS rebinding, cannot pause the engine or overwrite its weights.
 from __future__ import annotations
 
 import ipaddress
+import os
 import secrets
 import socket
 from collections.abc import Collection, Sequence
@@ -131,3 +132,17 @@ class AccessGuard:
                 await error_response(refused)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def confined_dir(path: str, allowed: Collection[str], param: str) -> str:
+    """The real path of `path` if it is a directory under one the operator allowed (--allowed-weight-dirs); links
+    are resolved first, so none leads out of them. One answer for a directory that is missing and one that is not
+    allowed, so that a caller cannot probe which directories exist."""
+    if "\0" in path:  # no path holds one (os.path raises ValueError)
+        raise APIError(400, f"{param}: holds a NUL character", param)
+    real = os.path.realpath(path)
+    roots = [os.path.realpath(a) for a in allowed]
+    if not any(os.path.commonpath([real, root]) == root for root in roots) or not os.path.isdir(real):
+        message = f"{param}: {path!r} is not a directory under an allowed one (--allowed-weight-dirs)"
+        raise APIError(403, message, param)
+    return real

@@ -807,11 +807,13 @@ def build_app(
     defaults: ServingDefaults | None = None,
     allowed_weight_dirs: Collection[str] = (),
     bound_host: str = "127.0.0.1",
+    runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """`api_key`: the keys /v1 accepts, any of them; `rl_api_key`: the RL routes' (default: `api_key`'s), unless
     `rl_api_keyed=False`, vLLM dev mode's keyless RL routes; `served_model_name`: the names requests may send, the
     first in responses. `allowed_weight_dirs`: where /update_weights {"weight_dir"} may load checkpoints from.
-    `bound_host`: the address the server listens on (a keyless RL route's `Host` may name it)."""
+    `bound_host`: the address the server listens on (a keyless RL route's `Host` may name it).
+    `runtime_lora_updating`: whether /v1/load_lora_adapter may load adapters (from `allowed_weight_dirs`)."""
     api_keys = _keys(api_key)
     rl_keys = (_keys(rl_api_key) or api_keys) if rl_api_keyed else ()
     model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -864,7 +866,8 @@ def build_app(
         return await serving.chat(req, raw)
 
     app.include_router(build_vllm_router(serving), responses=errors)
-    app.include_router(build_lora_router(serving.adapters), responses=errors)
+    lora_router = build_lora_router(serving.adapters, allowed_weight_dirs, runtime_lora_updating)
+    app.include_router(lora_router, responses=errors)
     app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
     rl_paths: frozenset[str] = frozenset()
     if enable_rl_api:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from typing import Annotated, Any, Literal, TypeVar
@@ -27,6 +26,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
 from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
+from rlserve.server.access import confined_dir
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -112,21 +112,6 @@ async def _engine_call(
         raise APIError(400, f"{where or 'request body'}: a number out of range ({e})", where) from e
 
 
-def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
-    """The real path of `weight_dir` if it lies under a directory the operator allowed (--allowed-weight-dirs);
-    links are resolved first, so none leads out of them."""
-    if "\0" in weight_dir:  # no path holds one (os.path raises ValueError)
-        raise APIError(400, "weight_dir: holds a NUL character", "weight_dir")
-    real = os.path.realpath(weight_dir)
-    roots = [os.path.realpath(a) for a in allowed]
-    if not any(os.path.commonpath([real, root]) == root for root in roots):
-        why = "no directory is allowed (--allowed-weight-dirs)" if not roots else f"allowed: {roots}"
-        raise APIError(403, f"weight_dir: {weight_dir!r} is not under an allowed directory; {why}", "weight_dir")
-    if not os.path.isdir(real):
-        raise APIError(400, f"weight_dir: {weight_dir!r} is not a directory", "weight_dir")
-    return real
-
-
 def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collection[str]) -> None:
     """reload_weights over HTTP: by keyword only, and a `weights_path` only under an allowed directory (as
     /update_weights {"weight_dir"}): the caller must not make the server read any directory it can name."""
@@ -140,7 +125,7 @@ def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collecti
     if path is not None:
         if not isinstance(path, str):
             raise APIError(400, f"kwargs: weights_path must be a string, got {path!r}", "kwargs")
-        body.kwargs["weights_path"] = _allowed_weight_dir(path, allowed_weight_dirs)
+        body.kwargs["weights_path"] = confined_dir(path, allowed_weight_dirs, "weight_dir")
 
 
 def build_rl_router(
@@ -229,7 +214,7 @@ def build_rl_router(
         if body.weight_dir is not None:
             if body.update_info is not None:
                 raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
-            weight_dir = _allowed_weight_dir(body.weight_dir, allowed_weight_dirs)
+            weight_dir = confined_dir(body.weight_dir, allowed_weight_dirs, "weight_dir")
             await _engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
             return {"message": "Weights updated"}
         if body.update_info is None:

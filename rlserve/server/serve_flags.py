@@ -26,6 +26,7 @@ from rlserve.server.defaults import (
     load_chat_template,
 )
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
+from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_ENV, runtime_lora_updating_env
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -239,6 +240,10 @@ def _check_lora(args: argparse.Namespace) -> None:
     enable_lora = getattr(args, "enable_lora", False)  # engine flags not given stay out of the namespace
     if args.lora_modules and not enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.enable_runtime_lora_updating and not enable_lora:
+        raise ValueError("--enable-runtime-lora-updating needs --enable-lora")
+    # vLLM's variable alone is accepted without --enable-lora: frameworks set it for every launch.
+    args.runtime_lora_updating = args.enable_runtime_lora_updating or runtime_lora_updating_env()
     if enable_lora and args.api_server_count > 1:
         # The names clients send live in the API server that loaded them; several would each hold their own.
         raise ValueError("--enable-lora: not with --api-server-count > 1 yet (adapter names are per API server)")
@@ -309,7 +314,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="DIR",
-        help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update)',
+        help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update) and '
+        "/v1/load_lora_adapter adapters",
     )
     serve.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="rlserve's logs (info: start-up facts and phases)"
@@ -381,6 +387,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help='LoRA adapters to serve from the start, as NAME=PATH or a JSON object {"name", "path", '
         '"base_model_name"}; requests name one as their model (needs --enable-lora)',
+    )
+    serve.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help=f"let /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters served, from directories "
+        f"under --allowed-weight-dirs (as {RUNTIME_LORA_UPDATING_ENV}=true does; needs --enable-lora)",
     )
     serve.add_argument(
         "--enable-sleep-mode",

@@ -106,9 +106,10 @@ def test_load_reload_and_unload(http: httpx.Client, server_lora_dirs) -> None:
         assert reload.status_code == 200, reload.text
         after = generate(http, "fresh")["token_ids"]
         assert after != before
-        # A bad adapter directory: 400 naming lora_path, the adapter loaded under that name untouched.
+        # A missing adapter directory: 403 naming lora_path (as one outside --allowed-weight-dirs, so that nobody
+        # learns which directories exist), the adapter loaded under that name untouched.
         bad = load(http, "fresh", server_lora_dirs["fresh"].parent / "missing", load_inplace=True)
-        assert bad.status_code == 400 and error_param(bad) == "lora_path" and "is not a directory" in bad.text
+        assert bad.status_code == 403 and error_param(bad) == "lora_path" and "not a directory under" in bad.text
         assert generate(http, "fresh")["token_ids"] == after
     finally:
         response = unload(http, "fresh")

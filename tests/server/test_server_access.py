@@ -4,6 +4,7 @@ rebinding requests, an empty key refused at start, and incomplete requests close
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,7 +28,8 @@ SOCKET_TIMEOUT_S = 10.0
 def keyed_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """/v1 under API_KEY, the RL routes under RL_KEY."""
     log = tmp_path_factory.mktemp("server-logs") / "keyed.log"
-    yield from _serve(server_model_dir, log, "--enable-rl-api", "--rl-api-key", RL_KEY, api_key=API_KEY)
+    lora = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")  # runtime updating left off
+    yield from _serve(server_model_dir, log, "--enable-rl-api", "--rl-api-key", RL_KEY, *lora, api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +134,30 @@ def test_models_404_names_nothing_served(keyed_server: Server) -> None:
     with keyed_server.client() as http:
         error = assert_error(http.post("/v1/completions", json={"model": "nope", "prompt": "hi"}), 404, "model")
         assert MODEL_NAME not in error["message"] and "nope" in error["message"]
+
+
+def test_lora_paths_are_confined_to_the_allowed_dirs(
+    lora_server: Server, server_lora_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter outside --allowed-weight-dirs is refused as `weight_dir` is, with the answer a missing directory
+    gets (issue 28, row 5): nothing loaded, nothing told about which directories exist."""
+    outside = shutil.copytree(server_lora_dirs["fresh"], tmp_path / "outside")
+    missing = server_lora_dirs["fresh"].parent / "missing"
+    with lora_server.client() as http:
+        answers = [
+            http.post("/v1/load_lora_adapter", json={"lora_name": "outsider", "lora_path": str(path)})
+            for path in (outside, missing)
+        ]
+        messages = [assert_error(answer, 403, "lora_path")["message"] for answer in answers]
+        assert messages[0].replace(str(outside), "P") == messages[1].replace(str(missing), "P")
+        assert "outsider" not in [card["id"] for card in http.get("/v1/models").json()["data"]]
+
+
+def test_runtime_lora_updating_is_opt_in(keyed_server: Server, server_lora_dirs: dict[str, Path]) -> None:
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING (or --enable-runtime-lora-updating) the routes refuse by name."""
+    with keyed_server.client() as http:
+        body = {"lora_name": "fresh", "lora_path": str(server_lora_dirs["fresh"])}
+        error = assert_error(http.post("/v1/load_lora_adapter", json=body), 404)
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in error["message"]
+        assert_error(http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}), 404)
+        assert "fresh" not in [card["id"] for card in http.get("/v1/models").json()["data"]]
