@@ -150,10 +150,10 @@ def test_adapter_routes_are_behind_the_api_key(lora_server: Server, server_lora_
         assert unload(anonymous, "static").status_code == 401
 
 
-def test_bad_bodies_name_their_field(http: httpx.Client) -> None:
+def test_bad_bodies_name_their_field(http: httpx.Client, server_lora_dirs: dict[str, Path]) -> None:
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "x"})
     assert response.status_code == 400 and "lora_path" in response.text
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x", "surprise": 1})
     assert response.status_code == 400 and "surprise" in response.text
-    response = load(http, MODEL_NAME, "/x")
+    response = load(http, MODEL_NAME, server_lora_dirs["fresh"])
     assert response.status_code == 400 and error_param(response) == "lora_name"
