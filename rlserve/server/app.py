@@ -40,7 +40,13 @@ from rlserve.server.generate_protocol import (
     sampling_params_from_dict,
     tokens_logprobs,
 )
-from rlserve.server.guards import RequestGuard, check_prompt_chars, check_sampling_limits, error_response
+from rlserve.server.guards import (
+    RequestGuard,
+    check_chat_size,
+    check_prompt_chars,
+    check_sampling_limits,
+    error_response,
+)
 from rlserve.server.lora_routes import LoRAAdapters, build_lora_router
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (
@@ -467,6 +473,7 @@ class OpenAIServing:
                 "chat_template",
             )
         tokenizer = self.engine.tokenizer
+        check_chat_size(req.messages, self.engine.max_model_len)
         try:
             text = render_chat(
                 tokenizer,

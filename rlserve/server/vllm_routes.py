@@ -23,7 +23,7 @@ from pydantic import BaseModel
 import rlserve
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
 from rlserve.server.guards import check_prompt_chars
-from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessages, CompletionRequest
 
 if TYPE_CHECKING:
     from rlserve.server.app import OpenAIServing
@@ -38,7 +38,7 @@ class TokenizeCompletionRequest(_StrictModel):
 
 class TokenizeChatRequest(_StrictModel):
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: ChatMessages
     add_generation_prompt: bool = True
     # The chat template places BOS and role markers itself (vLLM's default for chat).
     add_special_tokens: bool = False
@@ -112,6 +112,10 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         serving._check_model(req.model)
+        # Checked before any other work: a detokenized text is a prompt or an output, neither longer than the context.
+        if len(req.tokens) > engine.max_model_len:
+            message = f"tokens: {len(req.tokens)} ids, more than max_model_len={engine.max_model_len}"
+            raise APIError(400, message, "tokens")
         vocab_size = engine.limits.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:

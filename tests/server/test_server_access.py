@@ -4,6 +4,7 @@ rebinding requests, an empty key refused at start, and incomplete requests close
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from test_server_errors import assert_error
 RL_KEY = "rl-test-key"
 RL_HEADERS = {"Authorization": f"Bearer {RL_KEY}"}
 SOCKET_TIMEOUT_S = 10.0
+# /health's bound while a bad request is handled (test_server_robustness.py says why not less on shared CI cores).
+HEALTH_BOUND_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +164,35 @@ def test_runtime_lora_updating_is_opt_in(keyed_server: Server, server_lora_dirs:
         assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in error["message"]
         assert_error(http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}), 404)
         assert "fresh" not in [card["id"] for card in http.get("/v1/models").json()["data"]]
+
+
+def test_tokenization_is_bounded_before_any_work(keyed_server: Server) -> None:
+    """More messages or ids than the context holds are a 400 naming the field, before the chat template renders
+    or the tokenizer decodes (issue 28, row 4); /health answers throughout a 200,000-message /tokenize."""
+    with keyed_server.client() as http:
+        max_model_len = http.post("/tokenize", json={"prompt": "hi"}).json()["max_model_len"]
+        many = [{"role": "user", "content": "hi"}] * (max_model_len + 1)
+        error = assert_error(http.post("/tokenize", json={"messages": many}), 400, "messages")
+        assert f"{max_model_len + 1} messages" in error["message"]
+        long_text = [{"role": "user", "content": "z" * (32 * max_model_len + 1)}]
+        error = assert_error(http.post("/v1/chat/completions", json={"messages": long_text}), 400, "messages")
+        assert "the messages' text is" in error["message"]
+        error = assert_error(http.post("/detokenize", json={"tokens": [1] * (max_model_len + 1)}), 400, "tokens")
+        assert "more than max_model_len" in error["message"]
+
+    messages = [{"role": "user", "content": f"message {i} " + "z" * 20} for i in range(200_000)]
+
+    async def attack_and_probe() -> tuple[httpx.Response, float]:
+        async with keyed_server.async_client() as bad, httpx.AsyncClient(base_url=keyed_server.url) as probe:
+            attack = asyncio.ensure_future(bad.post("/tokenize", json={"messages": messages}))
+            worst = 0.0
+            while not attack.done():
+                start = time.perf_counter()
+                assert (await probe.get("/health", timeout=30)).status_code == 200
+                worst = max(worst, time.perf_counter() - start)
+                await asyncio.sleep(0.02)
+            return await attack, worst
+
+    refused, worst = asyncio.run(attack_and_probe())
+    assert_error(refused, 400, "messages")
+    assert worst < HEALTH_BOUND_S, f"/health waited {worst:.2f} s"
