@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
@@ -56,6 +57,15 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(_StrictModel):
     model: str | None = None
     tokens: list[int]
+
+
+# Environment variables whose names hold one of these words carry secrets: /server_info shows their names only.
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|PRIVATE|CERT|COOKIE|SESSION|SIGNATURE|SALT|PWD")
+REDACTED = "<redacted>"
+
+
+def _shown_value(name: str, value: str) -> str:
+    return REDACTED if SECRET_NAME.search(name.upper()) else value
 
 
 def build_vllm_router(serving: OpenAIServing) -> APIRouter:
@@ -124,14 +134,14 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
 
     @router.get("/server_info")
     async def server_info(config_format: str = "text") -> dict[str, Any]:
-        """vLLM's shape: the engine's configuration (its `vllm_config`), the VLLM_/RLSERVE_ environment (no keys),
-        and the system."""
+        """vLLM's shape: the engine's configuration (its `vllm_config`), the VLLM_/RLSERVE_ environment (secrets
+        redacted), and the system."""
         if config_format not in ("text", "json"):
             message = f"query.config_format: must be text or json, got {config_format!r}"
             raise APIError(400, message, "query.config_format")
         config = engine.config
         as_json = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "RLSERVE_")) and "KEY" not in k.upper()}
+        env = {k: _shown_value(k, v) for k, v in os.environ.items() if k.startswith(("VLLM_", "RLSERVE_"))}
         system = {
             "rlserve_version": rlserve.__version__,
             "torch_version": torch.__version__,
