@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
@@ -91,10 +91,20 @@ class StartProfileRequest(OpenAIBaseModel):
     profiler_kwargs: dict[str, StrictBool] | None = None
 
 
+def _checksum_response_or_map(value: Any) -> Any:
+    """A baseline with a `checksums` field is a checksum response: anything but an object there is a 400 naming
+    `baseline.checksums`, not a map of one tensor named "checksums" that matches nothing."""
+    if isinstance(value, dict) and "checksums" in value and not isinstance(value["checksums"], dict):
+        got = type(value["checksums"]).__name__
+        message = f"baseline.checksums: must be an object of tensor name -> checksum, got a {got}"
+        raise APIError(400, message, "baseline.checksums")
+    return value
+
+
 class WeightCheckerRequest(OpenAIBaseModel):
     action: Literal["checksum", "compare", "reset"]
     # compare's expected checksums (required): a map of them, or a checksum response
-    baseline: dict[str, StrictStr] | ChecksumsBody | None = None
+    baseline: Annotated[dict[str, StrictStr] | ChecksumsBody | None, BeforeValidator(_checksum_response_or_map)] = None
 
 
 async def _engine_call(

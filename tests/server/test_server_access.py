@@ -23,6 +23,15 @@ from test_server_errors import assert_error
 RL_KEY = "rl-test-key"
 RL_HEADERS = {"Authorization": f"Bearer {RL_KEY}"}
 SOCKET_TIMEOUT_S = 10.0
+# What the keyed server's environment holds: /server_info must show the names of the secrets only.
+SECRETS = {
+    "VLLM_HF_TOKEN": "hf_secret",
+    "RLSERVE_DB_PASSWORD": "pw_secret",
+    "VLLM_S3_SECRET": "s3_secret",
+    "VLLM_GCP_CREDENTIALS": "gcp_secret",
+    "VLLM_AUTH_HEADER": "auth_secret",
+}
+NOT_SECRET = {"VLLM_LOGGING_LEVEL": "WARNING"}
 # /health's bound while a bad request is handled (test_server_robustness.py says why not less on shared CI cores).
 HEALTH_BOUND_S = 2.0
 
@@ -32,7 +41,8 @@ def keyed_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     """/v1 under API_KEY, the RL routes under RL_KEY."""
     log = tmp_path_factory.mktemp("server-logs") / "keyed.log"
     lora = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")  # runtime updating left off
-    yield from _serve(server_model_dir, log, "--enable-rl-api", "--rl-api-key", RL_KEY, *lora, api_key=API_KEY)
+    args = ("--enable-rl-api", "--rl-api-key", RL_KEY, *lora)
+    yield from _serve(server_model_dir, log, *args, api_key=API_KEY, env={**SECRETS, **NOT_SECRET})
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +206,23 @@ def test_tokenization_is_bounded_before_any_work(keyed_server: Server) -> None:
     refused, worst = asyncio.run(attack_and_probe())
     assert_error(refused, 400, "messages")
     assert worst < HEALTH_BOUND_S, f"/health waited {worst:.2f} s"
+
+
+def test_server_info_redacts_secrets(keyed_server: Server) -> None:
+    """Tokens, passwords, secrets and credentials in the environment are not shown to /v1 key holders (issue 28,
+    row 8); other VLLM_ variables are."""
+    with keyed_server.client() as http:
+        response = http.get("/server_info")
+    assert response.status_code == 200, response.text
+    env = response.json()["vllm_env"]
+    assert {name: env.get(name) for name in SECRETS} == dict.fromkeys(SECRETS, "<redacted>")
+    assert not any(secret in response.text for secret in SECRETS.values())
+    assert env["VLLM_LOGGING_LEVEL"] == NOT_SECRET["VLLM_LOGGING_LEVEL"]
+
+
+def test_weight_checker_refuses_checksums_given_as_a_string(keyed_server: Server) -> None:
+    with httpx.Client(base_url=keyed_server.url, headers=RL_HEADERS, timeout=30) as http:
+        body = {"action": "compare", "baseline": {"checksums": "0" * 64}}
+        assert_error(http.post("/weight_checker", json=body), 400, "baseline.checksums")
+        checksums = http.post("/weight_checker", json={"action": "checksum"}).json()
+        assert http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json()["match"]
