@@ -32,6 +32,7 @@ from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cor
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import RL_API_KEY_ENV, build_app
+from rlserve.server.http_protocol import header_timeout_protocol
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.protocol import APIError
 from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys, rl_api_keys
@@ -113,7 +114,11 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
             return 1
     log_level = args.uvicorn_log_level or args.log_level
     config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout_s
+        app,
+        http=header_timeout_protocol(args.header_timeout_s),
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=args.keep_alive_timeout_s,
     )
     await _log_start_up(engine, args)
     server = _uvicorn_server(config)

@@ -26,6 +26,7 @@ from rlserve.server.defaults import (
     load_chat_template,
 )
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
+from rlserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT_S
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_ENV, runtime_lora_updating_env
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
@@ -249,6 +250,11 @@ def _check_lora(args: argparse.Namespace) -> None:
         raise ValueError("--enable-lora: not with --api-server-count > 1 yet (adapter names are per API server)")
 
 
+def _check_header_timeout(args: argparse.Namespace) -> None:
+    if not args.header_timeout_s > 0:  # NaN too
+        raise ValueError(f"--header-timeout-s must be a positive number of seconds, got {args.header_timeout_s}")
+
+
 def _check_keep_alive(args: argparse.Namespace) -> None:
     """How long the API server keeps an idle connection open: $VLLM_HTTP_TIMEOUT_KEEP_ALIVE s, else the default."""
     raw = os.environ.get(KEEP_ALIVE_ENV)
@@ -272,6 +278,7 @@ SERVE_CHECKS = (
     _check_defaults,
     _check_lora,
     _check_keep_alive,
+    _check_header_timeout,
 )
 
 
@@ -349,6 +356,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         metavar="BYTES",
         help=f"larger request bodies are refused with 413 as they arrive (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
+    )
+    serve.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection whose request line and headers have not all arrived this long after it opened (or the "
+        f"request began) is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g}; idle connections between requests: "
+        f"${KEEP_ALIVE_ENV})",
     )
     serve.add_argument(
         "--enable-auto-tool-choice",

@@ -23,6 +23,7 @@ from test_server_errors import assert_error
 RL_KEY = "rl-test-key"
 RL_HEADERS = {"Authorization": f"Bearer {RL_KEY}"}
 SOCKET_TIMEOUT_S = 10.0
+HEADER_TIMEOUT_S = 2.0
 # What the keyed server's environment holds: /server_info must show the names of the secrets only.
 SECRETS = {
     "VLLM_HF_TOKEN": "hf_secret",
@@ -41,7 +42,7 @@ def keyed_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     """/v1 under API_KEY, the RL routes under RL_KEY."""
     log = tmp_path_factory.mktemp("server-logs") / "keyed.log"
     lora = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")  # runtime updating left off
-    args = ("--enable-rl-api", "--rl-api-key", RL_KEY, *lora)
+    args = ("--enable-rl-api", "--rl-api-key", RL_KEY, *lora, "--header-timeout-s", str(HEADER_TIMEOUT_S))
     yield from _serve(server_model_dir, log, *args, api_key=API_KEY, env={**SECRETS, **NOT_SECRET})
 
 
@@ -226,3 +227,16 @@ def test_weight_checker_refuses_checksums_given_as_a_string(keyed_server: Server
         assert_error(http.post("/weight_checker", json=body), 400, "baseline.checksums")
         checksums = http.post("/weight_checker", json={"action": "checksum"}).json()
         assert http.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json()["match"]
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/compl", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
+def test_an_incomplete_request_is_closed_after_the_header_timeout(keyed_server: Server, sent: bytes) -> None:
+    """A connection that sends nothing, half a request line, or headers without their end is closed once
+    --header-timeout-s has passed (issue 28, row 11), where uvicorn alone kept it open past its keep-alive."""
+    with socket.create_connection(_address(keyed_server), timeout=SOCKET_TIMEOUT_S) as sock:
+        start = time.monotonic()
+        sock.sendall(sent)
+        assert sock.recv(65536) == b""  # closed; a socket.timeout here is the connection left open
+        assert HEADER_TIMEOUT_S * 0.9 <= time.monotonic() - start < SOCKET_TIMEOUT_S
+    with keyed_server.client() as http:  # a request that completes its head in time is served as ever
+        assert http.get("/health").status_code == 200
