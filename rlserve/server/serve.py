@@ -131,10 +131,13 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
     streams_ended = False
     while not serving.done():
         if server.should_exit and not streams_ended:
-            # uvicorn waits (timeout_graceful_shutdown) for responses to end, then cuts them: end the streams now,
-            # each with an error event and [DONE], queued and kept-paused requests included; the engine stops after.
+            # uvicorn waits (timeout_graceful_shutdown) for responses to end, then cancels them (a traceback each):
+            # end the streams now, each with an error event and [DONE], queued and kept-paused requests included,
+            # and answer the calls still waiting for the core with 503; the engine stops after.
             streams_ended = True
-            engine.fail_streams(EngineDeadError("the server is shutting down"))
+            shutting_down = EngineDeadError("the server is shutting down")
+            engine.fail_streams(shutting_down)
+            engine.fail_calls(shutting_down)
         try:
             await engine.check_health()
         except EngineDeadError:
