@@ -12,12 +12,14 @@ through DNS rebinding, cannot pause the engine or overwrite its weights.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import secrets
 import socket
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -146,3 +148,50 @@ def confined_dir(path: str, allowed: Collection[str], param: str) -> str:
         message = f"{param}: {path!r} is not a directory under an allowed one (--allowed-weight-dirs)"
         raise APIError(403, message, param)
     return real
+
+
+ANY_HOST = "*"
+
+
+def _addresses(host: str) -> frozenset[str]:
+    """The IP addresses `host` resolves to now (none if it does not resolve)."""
+    try:
+        return frozenset(info[4][0] for info in socket.getaddrinfo(host, None))
+    except (OSError, UnicodeError):
+        return frozenset()
+
+
+@dataclass(frozen=True)
+class RendezvousHosts:
+    """Where /init_weight_transfer_engine may make the engine connect (`init_info.master_address`): a loopback
+    address, or a host that `names` lists or that resolves only to `addresses`; anywhere with `any_host`. The
+    caller must not turn the server into a port scanner of the cluster."""
+
+    names: frozenset[str]
+    addresses: frozenset[str]
+    any_host: bool = False
+
+    @classmethod
+    def allow(cls, hosts: Sequence[str] | None, bound_host: str) -> RendezvousHosts:
+        """`hosts`: --allowed-rendezvous-hosts (`*`: any); None: this machine (its names, what they resolve to,
+        the bound address), where a same-host trainer serves its group."""
+        if hosts is not None and ANY_HOST in hosts:
+            return cls(frozenset(), frozenset(), any_host=True)
+        names = set(machine_host_names(bound_host)) if hosts is None else {host.lower() for host in hosts}
+        addresses = frozenset(address for name in names for address in _addresses(name))
+        return cls(frozenset(names), addresses)
+
+    async def check(self, init_info: dict[str, Any]) -> None:
+        """403 naming init_info.master_address if it is not a host the operator allowed."""
+        host = init_info.get("master_address")
+        if self.any_host or not isinstance(host, str) or host.lower() in self.names:
+            return  # not a string: the backend's own check names the field
+        resolved = await asyncio.to_thread(_addresses, host) if not _is_ip_literal(host) else frozenset({host})
+        if resolved and all(ipaddress.ip_address(a).is_loopback or a in self.addresses for a in resolved):
+            return
+        raise APIError(
+            403,
+            f"init_info.master_address: {host!r} is not a rendezvous host this server may connect to (this machine by "
+            "default; the operator allows others with --allowed-rendezvous-hosts HOST..., or '*' for any)",
+            "init_info.master_address",
+        )

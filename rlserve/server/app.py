@@ -29,7 +29,7 @@ from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
-from rlserve.server.access import AccessGuard, AccessPolicy
+from rlserve.server.access import AccessGuard, AccessPolicy, RendezvousHosts
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.generate_protocol import (
     GenerateChoice,
@@ -815,12 +815,14 @@ def build_app(
     allowed_weight_dirs: Collection[str] = (),
     bound_host: str = "127.0.0.1",
     runtime_lora_updating: bool = False,
+    allowed_rendezvous_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
     """`api_key`: the keys /v1 accepts, any of them; `rl_api_key`: the RL routes' (default: `api_key`'s), unless
     `rl_api_keyed=False`, vLLM dev mode's keyless RL routes; `served_model_name`: the names requests may send, the
     first in responses. `allowed_weight_dirs`: where /update_weights {"weight_dir"} may load checkpoints from.
     `bound_host`: the address the server listens on (a keyless RL route's `Host` may name it).
-    `runtime_lora_updating`: whether /v1/load_lora_adapter may load adapters (from `allowed_weight_dirs`)."""
+    `runtime_lora_updating`: whether /v1/load_lora_adapter may load adapters (from `allowed_weight_dirs`).
+    `allowed_rendezvous_hosts`: where /init_weight_transfer_engine may connect ("*": any; None: this machine)."""
     api_keys = _keys(api_key)
     rl_keys = (_keys(rl_api_key) or api_keys) if rl_api_keyed else ()
     model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -878,7 +880,8 @@ def build_app(
     app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
     rl_paths: frozenset[str] = frozenset()
     if enable_rl_api:
-        rl_router = build_rl_router(engine, serving.active, metrics, allowed_weight_dirs)
+        rendezvous_hosts = RendezvousHosts.allow(allowed_rendezvous_hosts, bound_host)
+        rl_router = build_rl_router(engine, serving.active, metrics, allowed_weight_dirs, rendezvous_hosts)
         app.include_router(rl_router, responses=errors)
         rl_paths = frozenset(route.path for route in rl_router.routes)
     _add_docs_page(app)

@@ -26,7 +26,7 @@ from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.engine.messages import ENGINE_RPC_METHODS, SLEEP_MODES
 from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
-from rlserve.server.access import confined_dir
+from rlserve.server.access import RendezvousHosts, confined_dir
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -142,10 +142,12 @@ def build_rl_router(
     engine: AsyncLLM,
     active_requests: Mapping[str, list[str]],
     metrics: ServerMetrics,
-    allowed_weight_dirs: Collection[str] = (),
+    allowed_weight_dirs: Collection[str],
+    rendezvous_hosts: RendezvousHosts,
 ) -> APIRouter:
     """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests.
-    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from."""
+    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from; `rendezvous_hosts`:
+    where /init_weight_transfer_engine may connect."""
 
     async def timed(request: Request) -> AsyncIterator[None]:
         start = time.perf_counter()
@@ -198,10 +200,24 @@ def build_rl_router(
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
-        # Blocks until the trainer joins the group (the trainer calls trainer_init concurrently).
-        await _engine_call(
-            engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
-        )
+        """Blocks until the trainer joins the group (the trainer calls trainer_init concurrently). A rendezvous that
+        fails is one answer whatever the reason, its details in the log: what a port answered (its banner), whether
+        it is open, and the core's pid are nobody's business but the operator's."""
+        await rendezvous_hosts.check(body.init_info)
+        try:
+            await _engine_call(
+                engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
+            )
+        except APIError as e:
+            if e.code != 409 or engine.config.weight_transfer_config is None:  # no backend: the core says which flag
+                raise
+            logger.warning("init_weight_transfer_engine failed: %s", e.message)
+            timeout_s = engine.config.weight_transfer_timeout_s
+            message = (
+                f"init_info: the weight-transfer rendezvous did not complete within {timeout_s:g} s (no trainer's "
+                "group joined at master_address:master_port); the server's log has the details"
+            )
+            raise APIError(409, message, "init_info") from None
         return {"message": "Weight transfer initialized"}
 
     @router.post("/start_weight_update")

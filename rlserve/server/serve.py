@@ -104,6 +104,7 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         allowed_weight_dirs=args.allowed_weight_dirs,
         bound_host=args.host,
         runtime_lora_updating=args.runtime_lora_updating,
+        allowed_rendezvous_hosts=args.allowed_rendezvous_hosts,
     )
     for module in args.lora_modules:
         name, path, base = module["name"], module["path"], module["base_model_name"]

@@ -325,6 +325,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "/v1/load_lora_adapter adapters",
     )
     serve.add_argument(
+        "--allowed-rendezvous-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="hosts /init_weight_transfer_engine may connect to (its init_info.master_address: the trainer's group), "
+        "'*' for any (default: this machine: loopback, its host names and the --host address; a trainer on another "
+        "node needs its address here)",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="rlserve's logs (info: start-up facts and phases)"
     )
     serve.add_argument(

@@ -9,15 +9,17 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from conftest import _serve
-from server_helpers import API_KEY, MODEL_NAME, Server
+from server_helpers import API_KEY, MODEL_NAME, Server, free_port
 from test_server_errors import assert_error
 
 RL_KEY = "rl-test-key"
@@ -43,6 +45,7 @@ def keyed_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     log = tmp_path_factory.mktemp("server-logs") / "keyed.log"
     lora = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")  # runtime updating left off
     args = ("--enable-rl-api", "--rl-api-key", RL_KEY, *lora, "--header-timeout-s", str(HEADER_TIMEOUT_S))
+    args += ("--weight-transfer-config", '{"backend": "nccl"}', "--weight-transfer-timeout-s", "2")
     yield from _serve(server_model_dir, log, *args, api_key=API_KEY, env={**SECRETS, **NOT_SECRET})
 
 
@@ -240,3 +243,48 @@ def test_an_incomplete_request_is_closed_after_the_header_timeout(keyed_server: 
         assert HEADER_TIMEOUT_S * 0.9 <= time.monotonic() - start < SOCKET_TIMEOUT_S
     with keyed_server.client() as http:  # a request that completes its head in time is served as ever
         assert http.get("/health").status_code == 200
+
+
+@contextmanager
+def _banner_port(banner: bytes) -> Iterator[int]:
+    """A loopback port whose every connection is greeted with `banner` (another service: SSH, say)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.sendall(banner)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_the_rendezvous_is_confined_and_its_failure_tells_nothing(keyed_server: Server) -> None:
+    """/init_weight_transfer_engine connects only to this machine unless the operator allows more, and a closed
+    port, another service's port and a silent trainer get one answer (issue 28, row 9): no banner, no pid, no
+    port scanner."""
+
+    def init(host: str, port: int) -> httpx.Response:
+        info = {"master_address": host, "master_port": port, "world_size": 2}
+        with httpx.Client(base_url=keyed_server.url, headers=RL_HEADERS, timeout=60) as http:
+            return http.post("/init_weight_transfer_engine", json={"init_info": info})
+
+    for host in ("192.0.2.1", "example.invalid"):  # TEST-NET-1, and a name that resolves nowhere
+        assert_error(init(host, 29500), 403, "init_info.master_address")
+    banner = b"SSH-2.0-OpenSSH_9.6\r\n"
+    with _banner_port(banner) as other_service:
+        answers = [init("127.0.0.1", free_port()), init("127.0.0.1", other_service)]
+    first, second = (assert_error(answer, 409, "init_info")["message"] for answer in answers)
+    assert first == second and "SSH" not in first and "pid" not in first
