@@ -35,7 +35,7 @@ def _start(model_dir: Path, log: Path, *args: str, api_key: str | None, env: dic
     cmd += ["--served-model-name", MODEL_NAME, "--log-level", "warning", *args]
     if api_key is not None:
         cmd += ["--api-key", api_key]
-    env = {**{k: v for k, v in os.environ.items() if k != "RLSERVE_API_KEY"}, **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "RLSERVE_RL_API_KEY")}, **(env or {})}
     # tests/ on the path: a server may load tests/worker_extension.py (--worker-extension-cls).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
     with log.open("wb") as out:
