@@ -34,12 +34,13 @@ LOCAL_HOST_NAMES = frozenset({"localhost", "localhost.localdomain"})
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """`api_keys`: accepted on every non-public route but the RL ones (none: those are keyless); `rl_keys`: accepted
-    on `rl_paths` (none: keyless, vLLM's dev mode); `bound_host`: the address the server listens on, which a keyless
-    RL route's `Host` may name besides this machine's addresses and names."""
+    """`api_keys`: accepted on `api_paths` (none: those are keyless); `rl_keys`: accepted on `rl_paths` (none:
+    keyless, vLLM's dev mode); any other path is public or no route's (a 404). `bound_host`: the address the server
+    listens on, which a keyless RL route's `Host` may name besides this machine's addresses and names."""
 
     api_keys: tuple[str, ...]
     rl_keys: tuple[str, ...]
+    api_paths: frozenset[str]
     rl_paths: frozenset[str]
     bound_host: str = "127.0.0.1"
 
@@ -115,10 +116,10 @@ class AccessGuard:
 
     def refusal(self, scope: Scope) -> APIError | None:
         path = scope["path"]
-        if path in PUBLIC_PATHS or scope.get("method") == "OPTIONS":
+        is_rl = path in self.policy.rl_paths
+        if not (is_rl or path in self.policy.api_paths) or scope.get("method") == "OPTIONS":
             return None
         headers = dict(scope["headers"])
-        is_rl = path in self.policy.rl_paths
         keys = self.rl_keys if is_rl else self.api_keys
         if keys:
             if key_matches(headers.get(b"authorization", b"").decode("latin-1"), keys):

@@ -29,7 +29,7 @@ from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
-from rlserve.server.access import AccessGuard, AccessPolicy, RendezvousHosts
+from rlserve.server.access import PUBLIC_PATHS, AccessGuard, AccessPolicy, RendezvousHosts
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.generate_protocol import (
     GenerateChoice,
@@ -874,9 +874,10 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
-    app.include_router(build_vllm_router(serving), responses=errors)
+    vllm_router = build_vllm_router(serving)
     lora_router = build_lora_router(serving.adapters, allowed_weight_dirs, runtime_lora_updating)
-    app.include_router(lora_router, responses=errors)
+    for router in (vllm_router, lora_router):
+        app.include_router(router, responses=errors)
     app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
     rl_paths: frozenset[str] = frozenset()
     if enable_rl_api:
@@ -886,7 +887,10 @@ def build_app(
         rl_paths = frozenset(route.path for route in rl_router.routes)
     _add_docs_page(app)
     # Outermost: a refused caller costs no body reading, no parsing, no route.
-    app.add_middleware(AccessGuard, policy=AccessPolicy(api_keys, rl_keys, rl_paths, bound_host))
+    # Paths from each router itself: FastAPI 0.16x nests an included router's routes instead of copying them.
+    routes = [*app.routes, *vllm_router.routes, *lora_router.routes]
+    api_paths = frozenset(route.path for route in routes if hasattr(route, "path")) - rl_paths - PUBLIC_PATHS
+    app.add_middleware(AccessGuard, policy=AccessPolicy(api_keys, rl_keys, api_paths, rl_paths, bound_host))
     return app
 
 

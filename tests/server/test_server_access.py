@@ -108,8 +108,9 @@ def test_the_rl_routes_and_v1_take_separate_keys(keyed_server: Server) -> None:
         ):
             assert_error(response, 401)
         assert http.post("/tokenize", json={"prompt": "hi"}, headers=v1).status_code == 200
-        for path in ("/health", "/version", "/metrics", "/load", "/openapi.json"):
+        for path in ("/health", "/version", "/metrics", "/load", "/openapi.json", "/docs"):
             assert http.get(path).status_code == 200, path
+        assert_error(http.get("/no-such-route"), 404)  # what no route serves is a 404, key or not
 
 
 def test_one_key_for_both_logs_a_warning(server: Server) -> None:
