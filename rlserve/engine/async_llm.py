@@ -207,6 +207,11 @@ class AsyncLLM(EngineFrontEnd):
         for stream in self._streams.values():
             stream.put(error)
 
+    def fail_calls(self, error: BaseException) -> None:
+        """Raise `error` to every caller of a core call still waiting (an init_weight_transfer_engine waiting for
+        its trainer): the server is shutting down, and each must answer before it does rather than be cancelled."""
+        self.client.fail_calls(error)
+
     @property
     def not_serving(self) -> str | None:
         """Why the core refuses generation (its weights are incomplete), as it last told this front end; None

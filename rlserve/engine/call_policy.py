@@ -19,16 +19,16 @@ def check_rpc_method(method: str, extension_methods: Collection[str]) -> None:
 
 
 def confined_weight_dir(weight_dir: str, allowed: Collection[str], param: str = "weight_dir") -> str:
-    """The real path of `weight_dir` if it lies under a directory the operator allowed (--allowed-weight-dirs); links
-    are resolved first, so none leads out of them. PermissionError (HTTP 403) outside them, ValueError (400) for
-    what is no directory; both name `param`."""
+    """The real path of `weight_dir` if it is a directory under one the operator allowed (--allowed-weight-dirs);
+    links are resolved first, so none leads out of them. PermissionError (HTTP 403) naming `param` otherwise, one
+    message for a directory that is missing and one that is not allowed, so that a caller cannot probe which
+    directories exist; ValueError (400) for a path no file system holds."""
     if "\0" in weight_dir:  # no path holds one (os.path raises ValueError)
         raise ValueError(f"{param}: holds a NUL character")
     real = os.path.realpath(weight_dir)
     roots = [os.path.realpath(a) for a in allowed]
-    if not any(os.path.commonpath([real, root]) == root for root in roots):
-        why = "no directory is allowed (--allowed-weight-dirs)" if not roots else f"allowed: {roots}"
-        raise PermissionError(f"{param}: {weight_dir!r} is not under an allowed directory; {why}")
-    if not os.path.isdir(real):
-        raise ValueError(f"{param}: {weight_dir!r} is not a directory")
+    if not any(os.path.commonpath([real, root]) == root for root in roots) or not os.path.isdir(real):
+        raise PermissionError(
+            f"{param}: {weight_dir!r} is not a directory under an allowed one (--allowed-weight-dirs)"
+        )
     return real

@@ -364,11 +364,15 @@ class AsyncClientBase:
         self.dead = reason
         # Pending calls fail either way; only a crash is an error in the log.
         logger.log(logging.WARNING if stopped else logging.ERROR, "%s", reason)
+        self.fail_calls(EngineDeadError(reason))
+        self.on_dead(reason)
+
+    def fail_calls(self, error: BaseException) -> None:
+        """Raise `error` to every caller waiting for a call's result; a result the core sends later finds none."""
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
-                future.set_exception(EngineDeadError(reason))
-        self.on_dead(reason)
+                future.set_exception(error)
 
     def _check_alive(self) -> None:
         if self.dead is not None:

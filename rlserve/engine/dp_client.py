@@ -353,6 +353,10 @@ class DPAsyncMPClient(_DPClientBase):
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
+    def fail_calls(self, error: BaseException) -> None:
+        for rank in self.ranks:
+            rank.fail_calls(error)
+
     def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
         self._check_alive()
         for rank, group in self._route(requests, session_id).items():

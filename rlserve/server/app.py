@@ -11,13 +11,12 @@ import asyncio
 import dataclasses
 import html
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -36,8 +35,14 @@ from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
+from rlserve.server.access import PUBLIC_PATHS, AccessGuard, AccessPolicy, RendezvousHosts
 from rlserve.server.defaults import ServingDefaults
-from rlserve.server.framework_routes import FrameworkState, build_framework_router, build_skyrl_router
+from rlserve.server.framework_routes import (
+    FRAMEWORK_PUBLIC_PATHS,
+    FrameworkState,
+    build_framework_router,
+    build_skyrl_router,
+)
 from rlserve.server.generate_protocol import (
     GenerateChoice,
     GenerateRequest,
@@ -47,7 +52,13 @@ from rlserve.server.generate_protocol import (
     sampling_params_from_dict,
     tokens_logprobs,
 )
-from rlserve.server.guards import RequestGuard, check_prompt_chars, check_sampling_limits, error_response
+from rlserve.server.guards import (
+    RequestGuard,
+    check_chat_size,
+    check_prompt_chars,
+    check_sampling_limits,
+    error_response,
+)
 from rlserve.server.lora_routes import LoRAAdapters, build_lora_router
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import (
@@ -96,6 +107,7 @@ T = TypeVar("T")
 PositionLogprobsList = list[PositionLogprobs | None]
 
 API_KEY_ENV = "RLSERVE_API_KEY"
+RL_API_KEY_ENV = "RLSERVE_RL_API_KEY"
 SESSION_HEADER = "X-Session-ID"  # vLLM's (and vllm-router's) session affinity
 # Names a ValueError from SamplingParams or the engine may start with (see APIError.from_value_error).
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) | {"prompt", "prompt_token_ids"}
@@ -113,23 +125,6 @@ def _sse(payload: BaseModel | str) -> str:
             if raw in data:
                 data = data.replace(raw, escaped)
     return f"data: {data}\n\n"
-
-
-def make_auth(api_keys: Sequence[str]) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that demands `Authorization: Bearer <key>` with any of `api_keys` (no check when there are none)."""
-    keys = [key.encode() for key in api_keys]
-
-    async def check_api_key(request: Request) -> None:
-        if not keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        sent = token.strip().encode()
-        # Every key compared, in constant time each: how long the check takes says nothing about which key is close.
-        matches = [secrets.compare_digest(sent, key) for key in keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-
-    return check_api_key
 
 
 def _id_conflict(error: RequestIdInUseError) -> APIError:
@@ -509,6 +504,7 @@ class OpenAIServing:
                 "chat_template",
             )
         tokenizer = self.engine.tokenizer
+        check_chat_size(req.messages, self.engine.max_model_len)
         try:
             text = render_chat(
                 tokenizer,
@@ -850,17 +846,26 @@ def build_app(
     served_model_name: str | Sequence[str],
     *,
     rl_api_keyed: bool = True,
+    rl_api_key: str | Sequence[str] | None = None,
     defaults: ServingDefaults | None = None,
     allowed_weight_dirs: Collection[str] = (),
+    bound_host: str = "127.0.0.1",
+    runtime_lora_updating: bool = False,
+    allowed_rendezvous_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
-    """`api_key`: the keys /v1 (and, if `rl_api_keyed`, the RL routes) accept, any of them; `served_model_name`: the
-    names requests may send, the first in responses. `rl_api_keyed=False` is vLLM dev mode's keyless RL routes.
-    `allowed_weight_dirs`: where /update_weights {"weight_dir"} may load checkpoints from."""
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    """`api_key`: the keys /v1 accepts, any of them; `rl_api_key`: the RL routes' (default: `api_key`'s), unless
+    `rl_api_keyed=False`, vLLM dev mode's keyless RL routes; `served_model_name`: the names requests may send, the
+    first in responses. `allowed_weight_dirs`: where /update_weights {"weight_dir"} may load checkpoints from.
+    `bound_host`: the address the server listens on (a keyless RL route's `Host` may name it).
+    `runtime_lora_updating`: whether /v1/load_lora_adapter may load adapters (from `allowed_weight_dirs`).
+    `allowed_rendezvous_hosts`: where /init_weight_transfer_engine may connect ("*": any; None: this machine)."""
+    api_keys = _keys(api_key)
+    rl_keys = (_keys(rl_api_key) or api_keys) if rl_api_keyed else ()
     model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    if enable_rl_api and rl_api_keyed and not api_keys:
+    if enable_rl_api and rl_api_keyed and not rl_keys:
         raise ValueError(
-            "the RL API (pause, weight updates) needs an API key: pass api_key (--api-key or $RLSERVE_API_KEY)"
+            "the RL API (pause, weight updates) needs an API key: pass api_key or rl_api_key (--api-key, "
+            "--rl-api-key or $RLSERVE_API_KEY)"
         )
     defaults = defaults or ServingDefaults()
     # FastAPI's /docs and /redoc load their scripts from a CDN, blank offline: /docs is a page of our own instead.
@@ -868,7 +873,6 @@ def build_app(
     app.add_middleware(RequestGuard, max_body_bytes=defaults.max_request_body_bytes)
     metrics = ServerMetrics(engine, model_names[0])
     serving = OpenAIServing(engine, model_names, defaults)
-    auth = make_auth(api_keys)
     _install_error_handlers(app)
     errors = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413)}
 
@@ -893,32 +897,46 @@ def build_app(
         body, content_type = await metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(auth)], responses=errors)
+    @app.get("/v1/models", responses=errors)
     async def models() -> ModelList:
         base = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in model_names]
         return ModelList(data=base + serving.adapters.cards(engine.max_model_len))
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)], responses=errors)
+    @app.post("/v1/completions", responses=errors)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)], responses=errors)
+    @app.post("/v1/chat/completions", responses=errors)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
-    app.include_router(build_vllm_router(serving, auth), responses=errors)
-    app.include_router(build_lora_router(serving.adapters, auth), responses=errors)
-    app.include_router(build_skyrl_router(serving, auth), responses=errors)
+    vllm_router = build_vllm_router(serving)
+    lora_router = build_lora_router(serving.adapters, allowed_weight_dirs, runtime_lora_updating)
+    skyrl_router = build_skyrl_router(serving, allowed_weight_dirs, runtime_lora_updating)
+    for router in (vllm_router, lora_router, skyrl_router):
+        app.include_router(router, responses=errors)
     app.state.lora_adapters = serving.adapters  # the server loads --lora-modules through it before serving
+    rl_paths: frozenset[str] = frozenset()
     if enable_rl_api:
-        rl_auth = auth if rl_api_keyed else make_auth([])
+        rendezvous_hosts = RendezvousHosts.allow(allowed_rendezvous_hosts, bound_host)
         frameworks = app.state.frameworks = FrameworkState()
-        rl_router = build_rl_router(engine, serving.active, rl_auth, metrics, allowed_weight_dirs, frameworks)
+        rl_router = build_rl_router(engine, serving.active, metrics, allowed_weight_dirs, rendezvous_hosts, frameworks)
         app.include_router(rl_router, responses=errors)
-        framework_router = build_framework_router(engine, serving.adapters, rl_auth, metrics, frameworks)
+        framework_router = build_framework_router(engine, serving.adapters, metrics, frameworks, allowed_weight_dirs)
         app.include_router(framework_router, responses=errors)
+        rl_routes = [*rl_router.routes, *framework_router.routes]
+        rl_paths = frozenset(route.path for route in rl_routes) - FRAMEWORK_PUBLIC_PATHS
     _add_docs_page(app)
+    # Outermost: a refused caller costs no body reading, no parsing, no route.
+    # Paths from each router itself: FastAPI 0.16x nests an included router's routes instead of copying them.
+    routes = [*app.routes, *vllm_router.routes, *lora_router.routes, *skyrl_router.routes]
+    api_paths = frozenset(route.path for route in routes if hasattr(route, "path")) - rl_paths - PUBLIC_PATHS
+    app.add_middleware(AccessGuard, policy=AccessPolicy(api_keys, rl_keys, api_paths, rl_paths, bound_host))
     return app
+
+
+def _keys(given: str | Sequence[str] | None) -> tuple[str, ...]:
+    return (given,) if isinstance(given, str) else tuple(given or ())
 
 
 def _add_docs_page(app: FastAPI) -> None:

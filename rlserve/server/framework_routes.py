@@ -32,17 +32,18 @@ import json
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
+from rlserve.server.access import confined_dir
 from rlserve.server.generate_protocol import GenerateRequest
-from rlserve.server.lora_routes import LoadLoRAAdapterRequest, LoRAAdapters
+from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_OFF, LoadLoRAAdapterRequest, LoRAAdapters
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.server.rl_routes import _engine_call
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NCCL_READY_MARKER = "NCCL_READY"  # prime-rl's orchestrator writes it into weight_dir; its trainer then broadcasts
+FRAMEWORK_PUBLIC_PATHS = frozenset({"/liveness"})  # a probe, as prime-rl serves it
 LIVENESS_TIMEOUT_S = 30.0  # prime-rl's default liveness_timeout_seconds
 _INIT_FIELDS = ("host", "port", "rank_offset", "inference_world_size", "timeout", "quantize_in_weight_transfer")
 
@@ -132,14 +134,14 @@ async def update_weights_from_broadcast(
 def build_framework_router(
     engine: AsyncLLM,
     adapters: LoRAAdapters,
-    auth: Callable[..., Awaitable[None]],
     metrics: ServerMetrics,
     state: FrameworkState,
+    allowed_dirs: Collection[str],
 ) -> APIRouter:
+    """prime-rl's and PipelineRL's routes: behind the RL key (the server's access guard), but /liveness."""
     router = APIRouter(tags=["frameworks"])
-    keyed = [Depends(auth)]
 
-    @router.post("/init_broadcaster", dependencies=keyed)
+    @router.post("/init_broadcaster")
     async def init_broadcaster(body: InitBroadcasterRequest) -> dict[str, str]:
         """prime-rl: join its trainer's weight broadcast (blocks until the trainer and every server have joined)."""
         if body.quantize_in_weight_transfer:
@@ -151,10 +153,11 @@ def build_framework_router(
         )
         return {"status": "ok"}
 
-    @router.post("/load_lora_adapter", dependencies=keyed)
+    @router.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:
         """prime-rl: load or reload (always in place) the adapter `lora_name` from `lora_path`."""
-        await adapters.load(body.lora_name, body.lora_path, load_inplace=True)
+        path = confined_dir(body.lora_path, allowed_dirs, "lora_path")
+        await adapters.load(body.lora_name, path, load_inplace=True)
         return {"status": "ok"}
 
     @router.get("/liveness")
@@ -167,7 +170,7 @@ def build_framework_router(
             return JSONResponse({"status": "engine_unresponsive"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @router.post("/receive_weight_update", dependencies=keyed)
+    @router.post("/receive_weight_update")
     async def receive_weight_update(body: ReceiveWeightUpdateRequest) -> dict[str, str]:
         """PipelineRL: pause (keep), receive the parameters its trainer broadcasts in `parameters_info` order, set
         the weight version to `version`, resume."""
@@ -295,9 +298,10 @@ class FetchWeightsRequest(OpenAIBaseModel):
     uri: StrictStr | None = None
 
 
-def build_skyrl_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None]]) -> APIRouter:
-    """SkyRL's data-plane routes, behind the /v1 key."""
-    router = APIRouter(tags=["frameworks"], dependencies=[Depends(auth)])
+def build_skyrl_router(serving: OpenAIServing, allowed_dirs: Collection[str], runtime_lora_updating: bool) -> APIRouter:
+    """SkyRL's data-plane routes, behind the /v1 key (the server's access guard); its adapter route as vLLM's
+    /v1/load_lora_adapter: only with runtime LoRA updating on, from an allowed directory."""
+    router = APIRouter(tags=["frameworks"])
     engine = serving.engine
 
     @router.post("/skyrl/v1/generate")
@@ -318,7 +322,10 @@ def build_skyrl_router(serving: OpenAIServing, auth: Callable[..., Awaitable[Non
     @router.post("/skyrl/v1/load_lora_adapter")
     async def skyrl_load_lora_adapter(body: SkyRLLoadLoRARequest) -> dict[str, Any]:
         """SkyRL's: load `lora_name`, or reload it in place from a new `lora_path`."""
-        await serving.adapters.load(body.lora_name, body.lora_path, load_inplace=True)
+        if not runtime_lora_updating:
+            raise APIError(404, RUNTIME_LORA_UPDATING_OFF, "lora_name")
+        path = confined_dir(body.lora_path, allowed_dirs, "lora_path")
+        await serving.adapters.load(body.lora_name, path, load_inplace=True)
         lora_int_id = serving.adapters.loaded[body.lora_name].lora_int_id
         return {"status": "ok", "lora_name": body.lora_name, "lora_int_id": lora_int_id}
 

@@ -10,13 +10,14 @@ saw their next request fail).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlserve.sampling_params import SamplingParams
-from rlserve.server.protocol import APIError
+from rlserve.server.protocol import APIError, ChatMessage
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,34 @@ def check_prompt_chars(text: str, max_model_len: int, param: str) -> None:
             f"of max_model_len={max_model_len}) could ever fit",
             param,
         )
+
+
+def check_chat_size(messages: Sequence[ChatMessage], max_model_len: int) -> None:
+    """400 naming `messages` for a chat that could never fit, before its template is rendered (rendering 200,000
+    messages held the prompt thread, which every request shares, for seconds): a turn renders at least one token (its
+    role marker), and its text at least one token per MAX_PROMPT_CHARS_PER_TOKEN characters."""
+    if len(messages) > max_model_len:
+        raise APIError(
+            400,
+            f"messages: {len(messages)} messages, more than max_model_len={max_model_len} tokens could ever hold",
+            "messages",
+        )
+    chars = sum(_message_chars(message) for message in messages)
+    limit = max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(
+            400,
+            f"messages: the messages' text is {chars} characters, more than {limit} ({MAX_PROMPT_CHARS_PER_TOKEN} per "
+            f"token of max_model_len={max_model_len}) could ever fit",
+            "messages",
+        )
+
+
+def _message_chars(message: ChatMessage) -> int:
+    """The characters of a message that its rendering holds: its text, its reasoning and its calls' arguments."""
+    reasoning = message.reasoning or message.reasoning_content or ""
+    calls = sum(len(call.function.arguments) for call in message.tool_calls or ())
+    return len(message.text()) + len(reasoning) + calls
 
 
 class BodyTooLarge(StarletteHTTPException):

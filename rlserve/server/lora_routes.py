@@ -3,8 +3,9 @@
 adapter names a request may send as `model` (listed by `/v1/models` with their base model as `parent`).
 
 Where rlserve differs from vLLM, on purpose:
-- the routes are served whenever the engine runs with `--enable-lora`, behind /v1's API key; vLLM serves them only
-  with VLLM_ALLOW_RUNTIME_LORA_UPDATING set, and then without authentication;
+- the load and unload routes work only when runtime updating is on, as in vLLM (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true,
+  or `--enable-runtime-lora-updating`; otherwise a 404 naming them), and then behind /v1's API key (vLLM: none), and
+  `lora_path` must lie under `--allowed-weight-dirs`, as a checkpoint's `weight_dir` must;
 - a reload in place (`load_inplace`) gives the adapter new prefix-cache keys in the engine, so no block computed
   with its previous weights is reused (vLLM keeps them and logs a warning);
 - a failed load is a 400 naming the field (vLLM answers 500), and more adapters than `--max-loras` a 409.
@@ -14,20 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 from pydantic import Field
 
 from rlserve.lora import LoRARequest
+from rlserve.server.access import confined_dir
 from rlserve.server.generate_protocol import _StrictModel
 from rlserve.server.protocol import APIError, ModelCard
 
 if TYPE_CHECKING:
     from rlserve.engine.async_llm import AsyncLLM
+
+RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+RUNTIME_LORA_UPDATING_OFF = (
+    "runtime LoRA updating is off; start the server with --enable-runtime-lora-updating (or "
+    f"{RUNTIME_LORA_UPDATING_ENV}=true, vLLM's switch)"
+)
 
 
 class LoadLoRAAdapterRequest(_StrictModel):
@@ -57,8 +66,9 @@ class LoRAAdapters:
             return None
         adapter = self.loaded.get(model)
         if adapter is None:
-            served = ", ".join(f"`{name}`" for name in [*self.base_model_names, *self.loaded])
-            raise APIError(404, f"The model `{model}` does not exist (this server serves {served}).", "model")
+            # vLLM's words, and no list: a caller is not told which names and adapters the server has (/v1/models,
+            # behind the key, lists them).
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
         return adapter
 
     async def load(self, name: str, path: str, load_inplace: bool = False, base_model_name: str | None = None) -> str:
@@ -113,18 +123,34 @@ class LoRAAdapters:
         ]
 
 
-def build_lora_router(adapters: LoRAAdapters, auth: Callable[..., Awaitable[None]]) -> APIRouter:
-    router = APIRouter(tags=["lora"], dependencies=[Depends(auth)])
+def runtime_lora_updating_env() -> bool:
+    """vLLM's switch for the load and unload routes, read as vLLM reads it."""
+    return os.environ.get(RUNTIME_LORA_UPDATING_ENV, "0").strip().lower() in ("1", "true")
+
+
+def build_lora_router(
+    adapters: LoRAAdapters, allowed_dirs: Collection[str] = (), runtime_updating: bool = False
+) -> APIRouter:
+    """`runtime_updating`: whether the load and unload routes may change the adapters served; `allowed_dirs`: where
+    an adapter may be loaded from."""
+    router = APIRouter(tags=["lora"])
+
+    def require_runtime_updating() -> None:
+        if not runtime_updating:
+            raise APIError(404, f"/v1/load_lora_adapter, /v1/unload_lora_adapter: {RUNTIME_LORA_UPDATING_OFF}")
 
     @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> str:
         """Load a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) under `lora_name`, or
         reload it in place (`load_inplace`): requests then name it as their `model`."""
-        return await adapters.load(req.lora_name, req.lora_path, req.load_inplace)
+        require_runtime_updating()
+        path = confined_dir(req.lora_path, allowed_dirs, "lora_path")
+        return await adapters.load(req.lora_name, path, req.load_inplace)
 
     @router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> str:
         """Stop serving an adapter: new requests no longer find it; those running finish with it."""
+        require_runtime_updating()
         return await adapters.unload(req.lora_name, req.lora_int_id)
 
     return router

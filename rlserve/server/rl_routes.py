@@ -1,9 +1,10 @@
 """vLLM's RL control routes (paths and bodies of its dev-mode RLHF router), and its profiling routes, behind the
-server's API key.
+server's RL key.
 
-Unlike vLLM, which serves them unauthenticated in dev mode, every route here depends on `auth`: these routes pause
-generation and overwrite the model. Errors: a ValueError (bad input) is a 400 naming the field, a RuntimeError (a call
-out of lifecycle order, e.g. update before start) a 409; neither takes the server down.
+Unlike vLLM, which serves them unauthenticated in dev mode, every route here needs `--rl-api-key` (access.py checks
+it before the body is read): these routes pause generation and overwrite the model. Errors: a ValueError (bad input)
+is a 400 naming the field, a RuntimeError (a call out of lifecycle order, e.g. update before start) a 409; neither
+takes the server down.
 
 Bodies are pydantic models (in the OpenAPI document, so clients and fuzzers see them): malformed JSON, a body that
 is not UTF-8, a wrong type or an unknown field is a 400 naming the field (the server's validation handler).
@@ -20,12 +21,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
-from rlserve.engine.call_policy import check_rpc_method, confined_weight_dir
+from rlserve.engine.call_policy import check_rpc_method
 from rlserve.engine.messages import SLEEP_MODES
 from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
+from rlserve.server.access import RendezvousHosts, confined_dir
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
@@ -93,10 +95,20 @@ class StartProfileRequest(OpenAIBaseModel):
     profiler_kwargs: dict[str, StrictBool] | None = None
 
 
+def _checksum_response_or_map(value: Any) -> Any:
+    """A baseline with a `checksums` field is a checksum response: anything but an object there is a 400 naming
+    `baseline.checksums`, not a map of one tensor named "checksums" that matches nothing."""
+    if isinstance(value, dict) and "checksums" in value and not isinstance(value["checksums"], dict):
+        got = type(value["checksums"]).__name__
+        message = f"baseline.checksums: must be an object of tensor name -> checksum, got a {got}"
+        raise APIError(400, message, "baseline.checksums")
+    return value
+
+
 class WeightCheckerRequest(OpenAIBaseModel):
     action: Literal["checksum", "compare", "reset"]
     # compare's expected checksums (required): a map of them, or a checksum response
-    baseline: dict[str, StrictStr] | ChecksumsBody | None = None
+    baseline: Annotated[dict[str, StrictStr] | ChecksumsBody | None, BeforeValidator(_checksum_response_or_map)] = None
 
 
 async def _engine_call(
@@ -114,16 +126,6 @@ async def _engine_call(
         raise APIError(400, f"{where or 'request body'}: a number out of range ({e})", where) from e
 
 
-def _allowed_weight_dir(weight_dir: str, allowed: Collection[str]) -> str:
-    """confined_weight_dir's answer as HTTP's: 403 outside the allowed directories, 400 for no directory."""
-    try:
-        return confined_weight_dir(weight_dir, allowed)
-    except PermissionError as e:
-        raise APIError(403, str(e), "weight_dir") from e
-    except ValueError as e:
-        raise APIError(400, str(e), "weight_dir") from e
-
-
 def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collection[str]) -> None:
     """reload_weights over HTTP: by keyword only, and a `weights_path` only under an allowed directory (as
     /update_weights {"weight_dir"}): the caller must not make the server read any directory it can name."""
@@ -137,20 +139,21 @@ def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collecti
     if path is not None:
         if not isinstance(path, str):
             raise APIError(400, f"kwargs: weights_path must be a string, got {path!r}", "kwargs")
-        body.kwargs["weights_path"] = _allowed_weight_dir(path, allowed_weight_dirs)
+        body.kwargs["weights_path"] = confined_dir(path, allowed_weight_dirs, "weight_dir")
 
 
 def build_rl_router(
     engine: AsyncLLM,
     active_requests: Mapping[str, list[str]],
-    auth: Callable[..., Awaitable[None]],
     metrics: ServerMetrics,
-    allowed_weight_dirs: Collection[str] = (),
+    allowed_weight_dirs: Collection[str],
+    rendezvous_hosts: RendezvousHosts,
     frameworks: FrameworkState | None = None,
 ) -> APIRouter:
     """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests.
-    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from. `frameworks`: the
-    framework routes' state (after prime-rl's /init_broadcaster, a weight_dir update comes over its broadcast)."""
+    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from; `rendezvous_hosts`:
+    where /init_weight_transfer_engine may connect. `frameworks`: the framework routes' state (after prime-rl's
+    /init_broadcaster, a weight_dir update comes over its broadcast)."""
 
     async def timed(request: Request) -> AsyncIterator[None]:
         start = time.perf_counter()
@@ -159,7 +162,7 @@ def build_rl_router(
         finally:
             metrics.observe_rl_call(request.scope["route"].path, time.perf_counter() - start)
 
-    router = APIRouter(dependencies=[Depends(auth), Depends(timed)], tags=["rl"])
+    router = APIRouter(dependencies=[Depends(timed)], tags=["rl"])
     # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
     timed_out_rpcs: dict[str, asyncio.Future] = {}
 
@@ -203,10 +206,24 @@ def build_rl_router(
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
-        # Blocks until the trainer joins the group (the trainer calls trainer_init concurrently).
-        await _engine_call(
-            engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
-        )
+        """Blocks until the trainer joins the group (the trainer calls trainer_init concurrently). A rendezvous that
+        fails is one answer whatever the reason, its details in the log: what a port answered (its banner), whether
+        it is open, and the core's pid are nobody's business but the operator's."""
+        await rendezvous_hosts.check(body.init_info)
+        try:
+            await _engine_call(
+                engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
+            )
+        except APIError as e:
+            if e.code != 409 or engine.config.weight_transfer_config is None:  # no backend: the core says which flag
+                raise
+            logger.warning("init_weight_transfer_engine failed: %s", e.message)
+            timeout_s = engine.config.weight_transfer_timeout_s
+            message = (
+                f"init_info: the weight-transfer rendezvous did not complete within {timeout_s:g} s (no trainer's "
+                "group joined at master_address:master_port); the server's log has the details"
+            )
+            raise APIError(409, message, "init_info") from None
         return {"message": "Weight transfer initialized"}
 
     @router.post("/start_weight_update")
@@ -231,7 +248,7 @@ def build_rl_router(
                 raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
             if frameworks is not None and frameworks.weight_dir_by_broadcast is not None:
                 return await frameworks.weight_dir_by_broadcast(body.weight_dir)
-            weight_dir = _allowed_weight_dir(body.weight_dir, allowed_weight_dirs)
+            weight_dir = confined_dir(body.weight_dir, allowed_weight_dirs, "weight_dir")
             await _engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
             return {"message": "Weights updated"}
         if body.update_info is None:

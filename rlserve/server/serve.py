@@ -31,11 +31,12 @@ from rlserve.engine.args import engine_kwargs
 from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
-from rlserve.server.app import build_app
+from rlserve.server.app import RL_API_KEY_ENV, build_app
 from rlserve.server.framework_routes import start_pipelinerl_join
+from rlserve.server.http_protocol import header_timeout_protocol
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
 from rlserve.server.protocol import APIError
-from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys
+from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys, rl_api_keys
 
 if TYPE_CHECKING:
     import uvicorn
@@ -86,14 +87,25 @@ def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
 async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
+    rl_api_keyed = args.rl_api_auth == "key"
+    if args.enable_rl_api and rl_api_keyed and not rl_api_keys(args):
+        logger.warning(
+            "the RL routes accept the --api-key keys: any /v1 client may pause the engine and overwrite its weights; "
+            "give the control plane a key of its own with --rl-api-key (or $%s)",
+            RL_API_KEY_ENV,
+        )
     app = build_app(
         engine,
         api_keys(args),
         args.enable_rl_api,
         args.served_model_name,
-        rl_api_keyed=args.rl_api_auth == "key",
+        rl_api_keyed=rl_api_keyed,
+        rl_api_key=rl_api_keys(args),
         defaults=args.serving_defaults,
         allowed_weight_dirs=args.allowed_weight_dirs,
+        bound_host=args.host,
+        runtime_lora_updating=args.runtime_lora_updating,
+        allowed_rendezvous_hosts=args.allowed_rendezvous_hosts,
     )
     if args.enable_rl_api:
         start_pipelinerl_join(engine, args, app.state.frameworks)
@@ -106,7 +118,11 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
             return 1
     log_level = args.uvicorn_log_level or args.log_level
     config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout_s
+        app,
+        http=header_timeout_protocol(args.header_timeout_s),
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=args.keep_alive_timeout_s,
     )
     await _log_start_up(engine, args)
     server = _uvicorn_server(config)
@@ -119,10 +135,13 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
     streams_ended = False
     while not serving.done():
         if server.should_exit and not streams_ended:
-            # uvicorn waits (timeout_graceful_shutdown) for responses to end, then cuts them: end the streams now,
-            # each with an error event and [DONE], queued and kept-paused requests included; the engine stops after.
+            # uvicorn waits (timeout_graceful_shutdown) for responses to end, then cancels them (a traceback each):
+            # end the streams now, each with an error event and [DONE], queued and kept-paused requests included,
+            # and answer the calls still waiting for the core with 503; the engine stops after.
             streams_ended = True
-            engine.fail_streams(EngineDeadError("the server is shutting down"))
+            shutting_down = EngineDeadError("the server is shutting down")
+            engine.fail_streams(shutting_down)
+            engine.fail_calls(shutting_down)
         try:
             await engine.check_health()
         except EngineDeadError:

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlserve.engine.args import FlagParser, add_engine_arguments
 from rlserve.hub import resolve_model
-from rlserve.server.app import API_KEY_ENV
+from rlserve.server.app import API_KEY_ENV, RL_API_KEY_ENV
 from rlserve.server.defaults import (
     GENERATION_CONFIG_CHOICES,
     ServingDefaults,
@@ -27,6 +27,8 @@ from rlserve.server.defaults import (
 )
 from rlserve.server.framework_routes import add_pipelinerl_arguments, check_pipelinerl_arguments
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
+from rlserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT_S
+from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_ENV, runtime_lora_updating_env
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 
@@ -84,7 +86,30 @@ def is_loopback(host: str) -> bool:
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    return list(args.api_key or []) or [key for key in [os.environ.get(API_KEY_ENV)] if key]
+    return _given_keys(args.api_key, API_KEY_ENV)
+
+
+def rl_api_keys(args: argparse.Namespace) -> list[str]:
+    """The RL routes' own keys (--rl-api-key, else $RLSERVE_RL_API_KEY); none: they take the /v1 keys."""
+    return _given_keys(args.rl_api_key, RL_API_KEY_ENV)
+
+
+def _given_keys(flag_values: Sequence[str] | None, env_name: str) -> list[str]:
+    if flag_values is not None:
+        return list(flag_values)
+    value = os.environ.get(env_name)
+    return [value] if value else []  # an empty variable is unset (the shell's `VAR=`)
+
+
+def _check_api_keys(args: argparse.Namespace) -> None:
+    """An empty or blank key would let `Authorization: Bearer ` (no token) through, i.e. no key at all: refused,
+    as a missing one is."""
+    for flag, env_name, keys in (
+        ("--api-key", API_KEY_ENV, api_keys(args)),
+        ("--rl-api-key", RL_API_KEY_ENV, rl_api_keys(args)),
+    ):
+        if any(not key.strip() for key in keys):
+            raise ValueError(f"{flag} (or ${env_name}): a key must not be empty or only whitespace")
 
 
 def _check_model(args: argparse.Namespace) -> None:
@@ -118,10 +143,13 @@ def _check_rl_api_auth(args: argparse.Namespace) -> None:
                 f"the RL routes are served without a key and {args.host} is not a loopback address: name the "
                 "address with --host to serve them there, or use --rl-api-auth key with --api-key"
             )
-    elif args.enable_rl_api and not api_keys(args):
+        if rl_api_keys(args):
+            raise ValueError("--rl-api-key: the RL routes are served without a key (--rl-api-auth none)")
+    elif args.enable_rl_api and not (rl_api_keys(args) or api_keys(args)):
         raise ValueError(
-            f"--enable-rl-api needs an API key (--api-key KEY or ${API_KEY_ENV}): the RL routes pause generation and "
-            "overwrite weights; --rl-api-auth none serves them without one, for vLLM dev-mode clients"
+            f"--enable-rl-api needs an API key (--rl-api-key KEY, --api-key KEY or ${API_KEY_ENV}): the RL routes "
+            "pause generation and overwrite weights; --rl-api-auth none serves them without one, for vLLM dev-mode "
+            "clients"
         )
 
 
@@ -193,9 +221,18 @@ def _check_lora(args: argparse.Namespace) -> None:
     enable_lora = getattr(args, "enable_lora", False)  # engine flags not given stay out of the namespace
     if args.lora_modules and not enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.enable_runtime_lora_updating and not enable_lora:
+        raise ValueError("--enable-runtime-lora-updating needs --enable-lora")
+    # vLLM's variable alone is accepted without --enable-lora: frameworks set it for every launch.
+    args.runtime_lora_updating = args.enable_runtime_lora_updating or runtime_lora_updating_env()
     if enable_lora and args.api_server_count > 1:
         # The names clients send live in the API server that loaded them; several would each hold their own.
         raise ValueError("--enable-lora: not with --api-server-count > 1 yet (adapter names are per API server)")
+
+
+def _check_header_timeout(args: argparse.Namespace) -> None:
+    if not args.header_timeout_s > 0:  # NaN too
+        raise ValueError(f"--header-timeout-s must be a positive number of seconds, got {args.header_timeout_s}")
 
 
 def _check_keep_alive(args: argparse.Namespace) -> None:
@@ -212,6 +249,7 @@ def _check_keep_alive(args: argparse.Namespace) -> None:
 
 SERVE_CHECKS = (
     _check_model,
+    _check_api_keys,
     _check_rl_api_auth,
     check_pipelinerl_arguments,
     _check_profiler_routes,
@@ -220,6 +258,7 @@ SERVE_CHECKS = (
     _check_defaults,
     _check_lora,
     _check_keep_alive,
+    _check_header_timeout,
 )
 
 
@@ -232,7 +271,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "--api-key",
         nargs="+",
         default=None,
-        help=f"keys accepted on /v1 and RL routes, any one (default: ${API_KEY_ENV})",
+        help=f"keys accepted on /v1, tokenization and /server_info, any one (default: ${API_KEY_ENV}); also on the "
+        "RL routes unless --rl-api-key is given",
+    )
+    serve.add_argument(
+        "--rl-api-key",
+        nargs="+",
+        default=None,
+        help=f"keys accepted on the RL control routes (pause, weight updates, ...), any one (default: "
+        f"${RL_API_KEY_ENV}, else the --api-key keys, with a warning: then any /v1 client controls the engine)",
     )
     serve.add_argument("--enable-rl-api", action="store_true", help="serve /pause, /resume, weight updates...")
     serve.add_argument(
@@ -254,7 +301,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="DIR",
-        help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update)',
+        help='directories under which /update_weights {"weight_dir"} may load checkpoints (prime-rl\'s update) and '
+        "/v1/load_lora_adapter adapters",
+    )
+    serve.add_argument(
+        "--allowed-rendezvous-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="hosts /init_weight_transfer_engine may connect to (its init_info.master_address: the trainer's group), "
+        "'*' for any (default: this machine: loopback, its host names and the --host address; a trainer on another "
+        "node needs its address here)",
     )
     serve.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="rlserve's logs (info: start-up facts and phases)"
@@ -290,6 +347,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help=f"larger request bodies are refused with 413 as they arrive (default: {DEFAULT_MAX_REQUEST_BODY_BYTES})",
     )
     serve.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a connection whose request line and headers have not all arrived this long after it opened (or the "
+        f"request began) is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g}; idle connections between requests: "
+        f"${KEEP_ALIVE_ENV})",
+    )
+    serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='parse chat output for tool calls when a request offers tools with tool_choice "auto" (its default)',
@@ -320,6 +386,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help='LoRA adapters to serve from the start, as NAME=PATH or a JSON object {"name", "path", '
         '"base_model_name"}; requests name one as their model (needs --enable-lora)',
+    )
+    serve.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help=f"let /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters served, from directories "
+        f"under --allowed-weight-dirs (as {RUNTIME_LORA_UPDATING_ENV}=true does; needs --enable-lora)",
     )
     serve.add_argument(
         "--enable-sleep-mode",

@@ -2,8 +2,9 @@
 (`/inference/v1/generate`), prompt rendering (`/v1/completions/render`, `/v1/chat/completions/render`), tokenization
 (`/tokenize`, `/detokenize`) and server facts (`/server_info`, `/load`).
 
-Authentication follows vLLM's `--api-key`: the `/v1` and `/inference` routes and `/server_info` (the engine's
-configuration) need the key; tokenization and the load figure, which reveal nothing about the engine, do not.
+Authentication (access.py): every route here but the load figure needs `--api-key` when one is set, tokenization
+included (vLLM leaves it open; here it runs on the prompt thread that /v1 shares, so an open one let anyone delay
+keyed requests).
 """
 
 from __future__ import annotations
@@ -12,18 +13,18 @@ import dataclasses
 import json
 import os
 import platform
-from collections.abc import Awaitable, Callable
+import re
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
 import rlserve
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
 from rlserve.server.guards import check_prompt_chars
-from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessages, CompletionRequest
 
 if TYPE_CHECKING:
     from rlserve.server.app import OpenAIServing
@@ -38,7 +39,7 @@ class TokenizeCompletionRequest(_StrictModel):
 
 class TokenizeChatRequest(_StrictModel):
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: ChatMessages
     add_generation_prompt: bool = True
     # The chat template places BOS and role markers itself (vLLM's default for chat).
     add_special_tokens: bool = False
@@ -58,21 +59,29 @@ class DetokenizeRequest(_StrictModel):
     tokens: list[int]
 
 
-def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None]]) -> APIRouter:
+# Environment variables whose names hold one of these words carry secrets: /server_info shows their names only.
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH|PRIVATE|CERT|COOKIE|SESSION|SIGNATURE|SALT|PWD")
+REDACTED = "<redacted>"
+
+
+def _shown_value(name: str, value: str) -> str:
+    return REDACTED if SECRET_NAME.search(name.upper()) else value
+
+
+def build_vllm_router(serving: OpenAIServing) -> APIRouter:
     engine = serving.engine
     tokenizer = engine.tokenizer
     router = APIRouter(tags=["vllm"])
-    keyed = [Depends(auth)]
 
-    @router.post("/inference/v1/generate", dependencies=keyed)
+    @router.post("/inference/v1/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
         return await serving.generate_tokens(req, raw)
 
-    @router.post("/v1/completions/render", dependencies=keyed)
+    @router.post("/v1/completions/render")
     async def render_completion(req: CompletionRequest) -> list[dict]:
         return await serving.render_completion(req)
 
-    @router.post("/v1/chat/completions/render", dependencies=keyed)
+    @router.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> dict:
         return await serving.render_chat(req)
 
@@ -113,22 +122,26 @@ def build_vllm_router(serving: OpenAIServing, auth: Callable[..., Awaitable[None
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         serving._check_model(req.model)
+        # Checked before any other work: a detokenized text is a prompt or an output, neither longer than the context.
+        if len(req.tokens) > engine.max_model_len:
+            message = f"tokens: {len(req.tokens)} ids, more than max_model_len={engine.max_model_len}"
+            raise APIError(400, message, "tokens")
         vocab_size = engine.limits.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": await serving.off_loop(lambda: tokenizer.decode(req.tokens))}
 
-    @router.get("/server_info", dependencies=keyed)
+    @router.get("/server_info")
     async def server_info(config_format: str = "text") -> dict[str, Any]:
-        """vLLM's shape: the engine's configuration (its `vllm_config`), the VLLM_/RLSERVE_ environment (no keys),
-        and the system."""
+        """vLLM's shape: the engine's configuration (its `vllm_config`), the VLLM_/RLSERVE_ environment (secrets
+        redacted), and the system."""
         if config_format not in ("text", "json"):
             message = f"query.config_format: must be text or json, got {config_format!r}"
             raise APIError(400, message, "query.config_format")
         config = engine.config
         as_json = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-        env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "RLSERVE_")) and "KEY" not in k.upper()}
+        env = {k: _shown_value(k, v) for k, v in os.environ.items() if k.startswith(("VLLM_", "RLSERVE_"))}
         system = {
             "rlserve_version": rlserve.__version__,
             "torch_version": torch.__version__,

@@ -66,9 +66,9 @@ def test_the_core_refuses_what_the_server_refuses(qwen3_dir, qwen3_alt_dir, make
     for method in ("__init__", "_private", "model_runner"):
         with pytest.raises(ValueError, match=f"^method: '{method}' is not a method of the worker extension"):
             llm.collective_rpc(method)
-    with pytest.raises(PermissionError, match="^weights_path: .* is not under an allowed directory"):
+    with pytest.raises(PermissionError, match="^weights_path: .* is not a directory under an allowed one"):
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(qwen3_alt_dir)})
-    with pytest.raises(PermissionError, match="^weight_dir: .* is not under an allowed directory"):
+    with pytest.raises(PermissionError, match="^weight_dir: .* is not a directory under an allowed one"):
         llm.client.call("load_weights_from_dir", str(qwen3_alt_dir))
     before = tokens(llm)
     assert llm.client.call("load_weights_from_dir", str(allowed / "alt")) > 0

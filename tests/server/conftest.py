@@ -29,13 +29,13 @@ START_TIMEOUT_S = 180.0  # a loaded CI machine needs tens of seconds to import t
 STOP_TIMEOUT_S = 15.0
 
 
-def _start(model_dir: Path, log: Path, *args: str, api_key: str | None) -> Server:
+def _start(model_dir: Path, log: Path, *args: str, api_key: str | None, env: dict[str, str] | None = None) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", str(model_dir), "--port", str(port)]
     cmd += ["--served-model-name", MODEL_NAME, "--log-level", "warning", *args]
     if api_key is not None:
         cmd += ["--api-key", api_key]
-    env = {k: v for k, v in os.environ.items() if k != "RLSERVE_API_KEY"}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "RLSERVE_RL_API_KEY")}, **(env or {})}
     # tests/ on the path: a server may load tests/worker_extension.py (--worker-extension-cls).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
     with log.open("wb") as out:
@@ -68,8 +68,10 @@ def _stop(server: Server) -> None:
             server.proc.wait(STOP_TIMEOUT_S)
 
 
-def _serve(model_dir: Path, log: Path, *args: str, api_key: str | None) -> Iterator[Server]:
-    server = _start(model_dir, log, *args, api_key=api_key)
+def _serve(
+    model_dir: Path, log: Path, *args: str, api_key: str | None, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    server = _start(model_dir, log, *args, api_key=api_key, env=env)
     try:
         _wait_healthy(server)
         yield server
@@ -164,11 +166,13 @@ def server_lora_dirs(server_model_dir: Path, tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="session")
 def lora_server(server_lora_dirs: dict[str, Path], server_model_dir: Path, tmp_path_factory) -> Iterator[Server]:
-    """Two adapter slots, "static" loaded at start (--lora-modules); the tests load and unload others."""
+    """Two adapter slots, "static" loaded at start (--lora-modules); the tests load and unload others, from the
+    adapters' directory (--allowed-weight-dirs), with runtime updating on as vLLM's variable turns it on."""
     log = tmp_path_factory.mktemp("server-logs") / "lora.log"
     args = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
     args += ("--lora-modules", f"static={server_lora_dirs['static']}")
-    yield from _serve(server_model_dir, log, *args, api_key=API_KEY)
+    args += ("--allowed-weight-dirs", str(server_lora_dirs["static"].parent))
+    yield from _serve(server_model_dir, log, *args, api_key=API_KEY, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
 
 
 @pytest.fixture(scope="session")

@@ -123,7 +123,8 @@ def launch(
     port = free_port()
     cmd = [sys.executable, "-m", "rlserve.cli", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
     # Neither a key nor vLLM dev mode from the environment: the command line says what the test means.
-    environment = {k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "VLLM_SERVER_DEV_MODE")}
+    unset = ("RLSERVE_API_KEY", "RLSERVE_RL_API_KEY", "VLLM_SERVER_DEV_MODE")
+    environment = {k: v for k, v in os.environ.items() if k not in unset}
     log = tmp_path / f"serve-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**environment, **(env or {})})

@@ -172,3 +172,6 @@ def test_sigterm_to_the_server_ends_streams_with_an_error_and_exits_0(start_serv
     init.join(EXIT_S)
     assert init_outcome, "the init call still waits after the server exited"
     assert not survivors(children)
+    # The pending call ended as an answer or a closed connection, not as an unhandled exception (issue 28).
+    log = server.log_tail(100_000)
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log

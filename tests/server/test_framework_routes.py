@@ -49,10 +49,20 @@ def new_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Ten
 
 
 @pytest.fixture(scope="module")
-def prime_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """prime-rl's server: no weight-transfer config (its /init_broadcaster picks the backend), LoRA on."""
+def adapter_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one directory the framework servers may load adapters from (--allowed-weight-dirs)."""
+    return tmp_path_factory.mktemp("fw-adapters")
+
+
+@pytest.fixture(scope="module")
+def prime_server(
+    server_model_dir: Path, adapter_root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """prime-rl's server: no weight-transfer config (its /init_broadcaster picks the backend), LoRA on, adapters
+    from `adapter_root` only, loaded at run time (SkyRL's route needs that as vLLM's does)."""
     log = tmp_path_factory.mktemp("fw-logs") / "prime.log"
     args = ("--enable-rl-api", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+    args += ("--allowed-weight-dirs", str(adapter_root), "--enable-runtime-lora-updating")
     server = _start(server_model_dir, log, *args, api_key=API_KEY)
     try:
         _wait_healthy(server)
@@ -167,25 +177,32 @@ def prime_rl_broadcast_state_dict_count(trainer: StatelessTrainer, count: int) -
     trainer.broadcast(torch.tensor([count], dtype=torch.long))
 
 
-def test_prime_rl_liveness_and_lora_reload(prime_server: Server, server_model_dir: Path, tmp_path: Path) -> None:
+def test_prime_rl_liveness_and_lora_reload(
+    prime_server: Server, server_model_dir: Path, adapter_root: Path, tmp_path: Path
+) -> None:
     assert httpx.get(prime_server.url + "/liveness", timeout=HTTP_TIMEOUT_S).json() == {"status": "ok"}
     with prime_server.client() as admin:
         for step in (1, 2):  # a fixed name, a new path per step: a reload in place
-            path = make_lora_dir(tmp_path / f"step_{step}", server_model_dir, rank=8, seed=step)
+            path = make_lora_dir(adapter_root / f"step_{step}", server_model_dir, rank=8, seed=step)
             response = admin.post("/load_lora_adapter", json={"lora_name": "policy", "lora_path": path.as_posix()})
             assert response.status_code == 200 and response.json() == {"status": "ok"}, response.text
             cards = {card["id"]: card for card in admin.get("/v1/models").json()["data"]}
             assert cards["policy"]["root"] == path.as_posix()
+        outside = make_lora_dir(tmp_path / "outside", server_model_dir, rank=8, seed=3)
+        refused = admin.post("/load_lora_adapter", json={"lora_name": "policy", "lora_path": outside.as_posix()})
+        assert refused.status_code == 403 and refused.json()["error"]["param"] == "lora_path", refused.text
 
 
-def test_skyrl_lora_reload_and_fetch_weights_refusal(prime_server: Server, server_model_dir: Path, tmp_path) -> None:
+def test_skyrl_lora_reload_and_fetch_weights_refusal(
+    prime_server: Server, server_model_dir: Path, adapter_root: Path
+) -> None:
     """SkyRL a9564572: RemoteInferenceClient.update_lora_from_disk posts /skyrl/v1/load_lora_adapter {lora_name,
     lora_path} (a reload in place keeps the adapter's id); fetch_weights posts /fetch_weights {target_version}, which
     its server hands to its worker extension: without one defining fetch_weights, a 400 naming why."""
     with prime_server.client() as admin:
         ids = []
         for step in (1, 2):
-            path = make_lora_dir(tmp_path / f"skyrl_{step}", server_model_dir, rank=8, seed=10 + step)
+            path = make_lora_dir(adapter_root / f"skyrl_{step}", server_model_dir, rank=8, seed=10 + step)
             body = {"lora_name": "skyrl-policy", "lora_path": path.as_posix()}
             response = admin.post("/skyrl/v1/load_lora_adapter", json=body)
             assert response.status_code == 200, response.text

@@ -106,9 +106,10 @@ def test_load_reload_and_unload(http: httpx.Client, server_lora_dirs) -> None:
         assert reload.status_code == 200, reload.text
         after = generate(http, "fresh")["token_ids"]
         assert after != before
-        # A bad adapter directory: 400 naming lora_path, the adapter loaded under that name untouched.
+        # A missing adapter directory: 403 naming lora_path (as one outside --allowed-weight-dirs, so that nobody
+        # learns which directories exist), the adapter loaded under that name untouched.
         bad = load(http, "fresh", server_lora_dirs["fresh"].parent / "missing", load_inplace=True)
-        assert bad.status_code == 400 and error_param(bad) == "lora_path" and "is not a directory" in bad.text
+        assert bad.status_code == 403 and error_param(bad) == "lora_path" and "not a directory under" in bad.text
         assert generate(http, "fresh")["token_ids"] == after
     finally:
         response = unload(http, "fresh")
@@ -149,10 +150,10 @@ def test_adapter_routes_are_behind_the_api_key(lora_server: Server, server_lora_
         assert unload(anonymous, "static").status_code == 401
 
 
-def test_bad_bodies_name_their_field(http: httpx.Client) -> None:
+def test_bad_bodies_name_their_field(http: httpx.Client, server_lora_dirs: dict[str, Path]) -> None:
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "x"})
     assert response.status_code == 400 and "lora_path" in response.text
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x", "surprise": 1})
     assert response.status_code == 400 and "surprise" in response.text
-    response = load(http, MODEL_NAME, "/x")
+    response = load(http, MODEL_NAME, server_lora_dirs["fresh"])
     assert response.status_code == 400 and error_param(response) == "lora_name"

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.usefixtures("model_names_as_dirs")
 def _no_env_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DEV_MODE_ENV, raising=False)
     monkeypatch.delenv("RLSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("RLSERVE_RL_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -269,6 +271,32 @@ def test_rl_routes_keep_their_key_unless_opted_out(capsys: pytest.CaptureFixture
     assert "needs an API key" in refused(capsys, "m", "--enable-rl-api")
     assert parse("m", "--enable-rl-api", "--rl-api-auth", "none").rl_api_auth == "none"
     assert "the RL routes are off" in refused(capsys, "m", "--rl-api-auth", "none")
+
+
+def test_keys_of_their_own_and_never_empty(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse("m", "--enable-rl-api", "--rl-api-key", "r")
+    assert (serve_flags.api_keys(args), serve_flags.rl_api_keys(args)) == ([], ["r"])  # /v1 keyless, RL keyed
+    monkeypatch.setenv("RLSERVE_RL_API_KEY", "from-env")
+    assert serve_flags.rl_api_keys(parse("m", "--enable-rl-api")) == ["from-env"]
+    monkeypatch.setenv("RLSERVE_RL_API_KEY", "")  # the shell's `VAR=`: unset
+    assert "needs an API key" in refused(capsys, "m", "--enable-rl-api")
+    monkeypatch.delenv("RLSERVE_RL_API_KEY")
+    assert "--api-key (or $RLSERVE_API_KEY): a key must not be empty" in refused(capsys, "m", "--api-key", "k", " ")
+    monkeypatch.setenv("RLSERVE_API_KEY", "\t")
+    assert "--api-key (or $RLSERVE_API_KEY): a key must not be empty" in refused(capsys, "m")
+    monkeypatch.delenv("RLSERVE_API_KEY")
+    error = refused(capsys, "m", "--enable-rl-api", "--rl-api-auth", "none", "--rl-api-key", "r")
+    assert "--rl-api-key: the RL routes are served without a key" in error
+
+
+def test_runtime_lora_updating_and_header_timeout_flags(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse("m").runtime_lora_updating is False
+    assert parse("m", "--enable-lora", "--enable-runtime-lora-updating").runtime_lora_updating is True
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch, as vLLM reads it
+    assert parse("m", "--enable-lora").runtime_lora_updating is True
+    assert "needs --enable-lora" in refused(capsys, "m", "--enable-runtime-lora-updating")
+    assert parse("m", "--header-timeout-s", "5").header_timeout_s == 5.0
+    assert "--header-timeout-s must be a positive" in refused(capsys, "m", "--header-timeout-s", "0")
 
 
 def test_vllm_dev_mode_serves_the_rl_routes_without_a_key(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -208,7 +208,9 @@ def test_health_answers_while_a_pathological_request_is_handled(server: Server) 
     (chat, tokenized), worst, probes = asyncio.run(go())
     assert_error(chat, 400, "messages")
     assert tokenized.status_code == 200 and tokenized.json()["count"] == 30_000
-    assert probes >= 3 and worst < HEALTH_BOUND_S, (probes, worst)
+    # At least one probe ran while they were handled: since issue 28 the chat is refused before its messages are
+    # validated, so the pair may end within a probe or two.
+    assert probes >= 1 and worst < HEALTH_BOUND_S, (probes, worst)
 
 
 def test_a_collective_rpc_timeout_is_504_and_the_call_stays_visible(extension_server: Server) -> None:
