@@ -217,7 +217,6 @@ DECISIONS: dict[str, Decision] = {
             "enable_log_deltas",
             "log_error_stack",
             "enable_log_requests",
-            "disable_log_requests",
             "disable_uvicorn_access_log",
             "disable_access_log_for_endpoints",
             "aggregate_engine_logging",
@@ -295,13 +294,15 @@ DECISIONS: dict[str, Decision] = {
     "convert": Refused("rlserve converts no model into another kind", ("auto", "none")),
     "tokenizer_mode": Refused("rlserve uses the model's Hugging Face tokenizer", ("auto", "hf")),
     "config_format": Refused("rlserve reads Hugging Face config.json", ("auto", "hf")),
-    "model_impl": Refused("rlserve runs its own model classes", ("auto",)),
+    "model_impl": Refused(
+        "rlserve runs its own model classes, as vLLM's own implementation (not the Transformers backend)",
+        ("auto", "vllm"),
+    ),
     "worker_cls": Refused("rlserve's worker is its own (add methods with --worker-extension-cls)", ("auto",)),
     "response_role": Refused("chat completions answer as the assistant", ("assistant",)),
     "chat_template_content_format": Refused("message content is rendered as the chat template reads it", ("auto",)),
     "lora_dtype": Refused("adapters run in the model's dtype", _AUTO),
     "cpu_offload_gb": Refused("weights stay in device memory; offload is not implemented", ("0",)),
-    "swap_space": Refused("preempted requests are recomputed, never swapped to host memory", ("0",)),
     "expert_placement_strategy": Refused("experts are placed in contiguous blocks per rank", ("linear",)),
     "sleep_mode_backend": Refused("rlserve's /sleep frees the KV cache and weights its own way", _AUTO),
     **{
@@ -405,10 +406,7 @@ DECISIONS: dict[str, Decision] = {
             "dbo_prefill_token_threshold",
         )
     },  # fmt: skip
-    **{
-        dest: Refused(_NO_SPEC)
-        for dest in ("speculative_config", "spec_method", "spec_model", "spec_tokens", "num_speculative_tokens")
-    },
+    **{dest: Refused(_NO_SPEC) for dest in ("speculative_config", "spec_method", "spec_model", "spec_tokens")},
     **{
         dest: Refused(_NO_KV_TRANSFER)
         for dest in (
@@ -519,6 +517,10 @@ DECISIONS: dict[str, Decision] = {
     "collect_detailed_traces": Refused("rlserve exports no OpenTelemetry traces"),
     "custom_histogram_buckets": Refused(_NOT_YET),
     "enable_per_request_metrics": Refused(_NOT_YET, _OFF),
+    "calculate_kv_scales": Refused("fp8 KV caches are not implemented, so there are no KV scales", _OFF),
+    "enable_bf16x3_router_gemm": Refused(_NOT_YET, _OFF),
+    "enable_mamba_fine_grained_prefix_cache": Refused(_NO_MAMBA, _OFF),
+    "override_attention_dtype": Refused("attention runs in the model's dtype"),
 }
 
 

@@ -16,7 +16,7 @@ from conftest import _stop, _wait_healthy
 from server_helpers import Server, launch
 
 from rlserve.cli import build_parser
-from rlserve.engine.args import engine_kwargs
+from rlserve.engine.args import engine_kwargs, make_engine_config
 from rlserve.server import vllm_flags
 from rlserve.server.vllm_flags import DECISIONS, Implemented, NoOp, Refused, VllmFlag
 
@@ -27,6 +27,7 @@ RELEASES = (
     "0.30.0", "0.31.0", "0.32.0", "0.33.0",
 )  # fmt: skip
 NOT_ACCEPTED = "rlserve-refuses-this"  # a value no Refused flag accepts
+VERL_RESPONSE_LENGTH = 24  # the real server's: fewer tokens than a request asks for, so the bound shows
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +67,27 @@ def test_the_table_has_every_release_and_one_decision_per_flag() -> None:
 
 
 def test_implemented_flags_take_vllms_arity_under_every_spelling(serve_parser: argparse.ArgumentParser) -> None:
-    """rlserve's own flag, or an alias of it, for every spelling any release has: a switch takes no value, any other
-    flag takes one, so that what follows is never read as the model."""
+    """rlserve's own flag, or an alias of it, for every spelling any release has: a switch takes no value and sets
+    what vLLM's spelling sets (rlserve's switches have vLLM's names, so the same sense), any other flag takes one, so
+    that what follows is never read as the model."""
     for flag in vllm_flags.vllm_flags().values():
         if not isinstance(DECISIONS[flag.dest], Implemented):
             continue
-        for option in flag.options:
+        for option, sets in flag.options.items():
             action = serve_parser._option_string_actions.get(option)
             assert action is not None, f"{option} (vLLM {flag.releases[option]}) is not a flag of rlserve serve"
             assert (action.nargs == 0) == flag.is_switch, option
             assert action.nargs != "?" or flag.nargs == "?", option
+            if flag.is_switch:
+                assert switch_sets(action, option) is sets, option
+
+
+def switch_sets(action: argparse.Action, option: str) -> bool:
+    """What a switch's spelling stores (read off the action: parsing it alone may be refused by a check, e.g.
+    --enable-auto-tool-choice without --tool-call-parser)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not option.startswith("--no-")
+    return action.const
 
 
 def test_every_no_op_flag_is_accepted_changes_nothing_and_says_why(
@@ -298,11 +310,12 @@ def pipelinerl_flags(model: str) -> list[str]:
     return [*cmd, "--disable-weight-updates"]
 
 
-def verl_flags(model: str) -> list[str]:
+def verl_flags(model: str, response_length: int = 512) -> list[str]:
     """verl 0.9.1 (the package on the index), verl/workers/rollout/vllm_rollout/vllm_async_server.py's `args` with
     verl/trainer/config/rollout/rollout.yaml's defaults (tensor_model_parallel_size 1 here, one device) through
     utils.build_cli_args_from_config: `--key` as written (underscores), True a bare flag, a False whose vLLM default
-    is False left out, a dict as JSON."""
+    is False left out, a dict as JSON. `response_length` is verl's rollout.response_length (data.max_response_length,
+    512 by default), its max_new_tokens."""
     override_generation_config = {"temperature": 1.0, "top_k": -1, "top_p": 1, "repetition_penalty": 1.0}
     args = {
         "dtype": "bfloat16",
@@ -319,7 +332,7 @@ def verl_flags(model: str) -> list[str]:
         "disable_log_stats": True,
         "tensor_parallel_size": 1,
         "seed": 42,
-        "override_generation_config": json.dumps({**override_generation_config, "max_new_tokens": 512}),
+        "override_generation_config": json.dumps({**override_generation_config, "max_new_tokens": response_length}),
         "hf_overrides": {},
         "scheduling_policy": "fcfs",
         "compilation_config": json.dumps({"cudagraph_mode": "FULL_AND_PIECEWISE"}),
@@ -376,15 +389,28 @@ def test_verl_launch_parses(serve_parser) -> None:
     assert set(args.vllm_no_op_flags) == {"--compilation-config"}
 
 
+def test_trl_launch_parses(serve_parser) -> None:
+    """TRL 1.16.0's own `trl vllm-serve` command builder (trl/scripts/vllm_serve.py build_command, the released
+    package), whose command line is `vllm serve` with TRL's settings; here without vLLM installed, so without
+    --enable-scale-out, which TRL adds from vLLM 0.30 on."""
+    vllm_serve = pytest.importorskip("trl.scripts.vllm_serve")
+    command = vllm_serve.build_command(vllm_serve.ScriptArguments(model="m", port=8001))
+    args = parse(serve_parser, *command[command.index("serve") + 1 :])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["max_logprobs"], kwargs["logprobs_mode"]) == (-1, "processed_logprobs")
+    assert kwargs["weight_transfer_config"].backend == "nccl" and args.port == 8001
+    assert make_engine_config(args.model, **kwargs).max_logprobs == -1  # vLLM's: no cap below the vocabulary
+
+
 @pytest.fixture(scope="module")
 def verl_style_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """verl's command line (less its worker extension, verl's own code, and on the CPU in float32) serving."""
-    argv = verl_flags(str(server_model_dir))
+    argv = verl_flags(str(server_model_dir), response_length=VERL_RESPONSE_LENGTH)
     drop = argv.index("--worker_extension_cls")
     del argv[drop : drop + 2]
     argv[argv.index("--dtype") + 1] = "float32"
     argv[argv.index("--load_format") + 1] = "auto"
-    argv += ["--max-model-len", "1024", "--num-kv-blocks", "80"]
+    argv += ["--max-model-len", "256", "--num-kv-blocks", "32"]
     server = launch(tmp_path_factory.mktemp("verl"), *argv)
     try:
         _wait_healthy(server)
@@ -395,9 +421,9 @@ def verl_style_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathF
 
 def test_verl_style_server_answers_with_its_generation_overrides(verl_style_server: Server) -> None:
     with verl_style_server.client() as http:
-        body = {"prompt": "1+2=", "max_tokens": 600, "ignore_eos": True, "temperature": 0.0}
+        body = {"prompt": "1+2=", "max_tokens": 100, "ignore_eos": True, "temperature": 0.0}
         completion = http.post("/v1/completions", json=body).json()
         # --override_generation_config's max_new_tokens (verl's response_length) bounds every request, as in vLLM
-        assert completion["usage"]["completion_tokens"] == 512
+        assert completion["usage"]["completion_tokens"] == VERL_RESPONSE_LENGTH
     log = verl_style_server.log_tail(20000)
     assert "--compilation-config: accepted, no effect" in log
