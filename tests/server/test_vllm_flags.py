@@ -102,6 +102,8 @@ def test_every_no_op_flag_is_accepted_changes_nothing_and_says_why(
             args = vars(parse(serve_parser, "m", option, *given_values(flag, "1")))
             assert args.pop("vllm_no_op_flags") == {option: decision.reason}
             assert args == plain, option
+            if flag.nargs in (None, 0):  # one value or none: the model after it is still the model
+                assert parse(serve_parser, option, *given_values(flag, "1"), "m").model == plain["model"], option
     serve_parser.print_help()
     help_text = " ".join(capsys.readouterr().out.split())
     assert "accepted, no effect: rlserve serves text-only models" in help_text
