@@ -15,8 +15,10 @@ import pytest
 from conftest import _stop, _wait_healthy
 from server_helpers import Server, launch
 
+from rlserve import SamplingParams
 from rlserve.cli import build_parser
 from rlserve.engine.args import engine_kwargs, make_engine_config
+from rlserve.engine.limits import EngineLimits
 from rlserve.server import vllm_flags
 from rlserve.server.vllm_flags import DECISIONS, Implemented, NoOp, Refused, VllmFlag
 
@@ -402,6 +404,10 @@ def test_trl_launch_parses(serve_parser) -> None:
     assert (kwargs["max_logprobs"], kwargs["logprobs_mode"]) == (-1, "processed_logprobs")
     assert kwargs["weight_transfer_config"].backend == "nccl" and args.port == 8001
     assert make_engine_config(args.model, **kwargs).max_logprobs == -1  # vLLM's: no cap below the vocabulary
+    limits = EngineLimits(max_model_len=64, vocab_size=100, max_logprobs=-1)
+    limits.check([1, 2], SamplingParams(logprobs=100, prompt_logprobs=100))
+    with pytest.raises(ValueError, match=r"logprobs: 101 is above the engine's limit"):
+        limits.check([1, 2], SamplingParams(logprobs=101))
 
 
 @pytest.fixture(scope="module")
