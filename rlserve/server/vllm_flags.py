@@ -1,7 +1,8 @@
 """Every flag of `vllm serve` in releases 0.22-0.33, and what `rlserve serve` does with each: one table.
 
 The facts (each flag's spellings, which releases have them, how many values it takes) are in `vllm_serve_flags.json`,
-read from each release's own argument parser. The decisions are `DECISIONS` below, one per flag (vLLM's dest name):
+read from each release's own argument parser: the `make_arg_parser` that `vllm serve` uses, built from the release
+wheel's sources (VLLM_TARGET_DEVICE=cpu, compiled optional imports such as xgrammar stubbed). The decisions are `DECISIONS` below, one per flag (vLLM's dest name):
 
 - `Implemented`: rlserve has the feature; its parser defines the flag (vLLM's other spellings become aliases of it).
 - `NoOp`: accepted with any value, because it cannot change what rlserve computes or serves (the reason says why, in
