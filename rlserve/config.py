@@ -187,7 +187,9 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = _option(1 << 30, "KV cache size in bytes on CPU", human_readable=True)
     enable_prefix_caching: bool = _option(True, "reuse the KV of prompt prefixes other requests computed")
     enable_chunked_prefill: bool = _option(True, "split long prompts over several steps")
-    max_logprobs: int = _option(20, "most logprobs (and prompt_logprobs) a request may ask for")
+    max_logprobs: int = _option(
+        20, "most logprobs (and prompt_logprobs) a request may ask for; -1: up to the vocabulary size (vLLM's)"
+    )
     logprobs_mode: LogprobsMode = _option("raw_logprobs", "what logprobs report", LOGPROBS_MODES)
     lm_head_dtype: str | None = _option(
         None, "float32 runs the LM head in fp32 (default: the model's dtype)", ("float32", "auto")
@@ -320,8 +322,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "stream_interval"):
             if getattr(self, name) < 1 and name != "max_logprobs":
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0 (or -1: no cap below the vocabulary), got {self.max_logprobs}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.weight_transfer_timeout_s > 0:  # NaN too

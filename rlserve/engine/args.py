@@ -227,12 +227,20 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
 class FlagParser(argparse.ArgumentParser):
     """An ArgumentParser (and, through add_subparsers, its subcommands') that takes vLLM's underscore spellings of
     every flag, runs `checks` on what it parsed (a check's ValueError is a usage error: the message, exit 2), and
-    shows every option's default in its help."""
+    shows every option's default in its help. With an `unknown_flag_hint`, a flag it does not know is a usage error
+    naming it (argparse would name it among "unrecognized arguments" only at the top-level parser)."""
 
-    def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (), **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        checks: Sequence[Callable[[argparse.Namespace], None]] = (),
+        unknown_flag_hint: str | None = None,
+        **kwargs: Any,
+    ):
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self.checks = list(checks)
+        self.unknown_flag_hint = unknown_flag_hint
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -241,6 +249,9 @@ class FlagParser(argparse.ArgumentParser):
         json_flags = [flag for flag, action in self._option_string_actions.items() if action.metavar == "JSON"]
         argv = dotted_json_flags(argv, json_flags)
         parsed, extras = super().parse_known_args(argv, namespace)
+        unknown = [arg.partition("=")[0] for arg in extras if arg.startswith("-") and arg != "--"]
+        if unknown and self.unknown_flag_hint is not None:
+            self.error(f"{unknown[0]}: unknown flag ({self.unknown_flag_hint})")
         for check in self.checks:
             try:
                 check(parsed)

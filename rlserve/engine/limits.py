@@ -31,7 +31,7 @@ class EngineLimits:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        limit = min(self.max_logprobs, self.vocab_size)
+        limit = self.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > limit:

@@ -278,6 +278,8 @@ def _warn_at_start(args: argparse.Namespace) -> None:
             args.host,
             why,
         )
+    for flag, reason in getattr(args, "vllm_no_op_flags", {}).items():  # absent when none was given
+        logger.warning("%s: accepted, no effect: %s", flag, reason)
     defaults = args.serving_defaults
     if defaults.sampling:
         logger.warning("request defaults from --generation-config %s: %s", args.generation_config, defaults.sampling)

@@ -1,9 +1,10 @@
 """`rlserve serve`'s flags: its own, the engine's (derived from EngineConfig), and vLLM's spellings of them, so that
 a framework's `vllm serve ...` command line runs with only the command changed.
 
-Every vLLM flag the RL frameworks pass is either implemented or refused by name with the reason (`UNSUPPORTED`;
---quantization is an engine flag, rlserve.config.QUANTIZATIONS), never dropped. The checks run as the command line
-is parsed, so a bad combination is a usage error (exit 2) before anything starts.
+Every flag of `vllm serve` 0.22-0.33 is implemented, accepted as a documented no-op, or refused by name with the
+reason (the table in vllm_flags.py;
+--quantization is an engine flag, rlserve.config.QUANTIZATIONS), never dropped. The checks run as
+the command line is parsed, so a bad combination is a usage error (exit 2) before anything starts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import ipaddress
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from rlserve.engine.args import FlagParser, add_engine_arguments
@@ -21,6 +21,7 @@ from rlserve.hub import resolve_model
 from rlserve.server.app import API_KEY_ENV, RL_API_KEY_ENV
 from rlserve.server.defaults import (
     GENERATION_CONFIG_CHOICES,
+    GENERATION_CONFIG_FIELDS,
     ServingDefaults,
     generation_defaults,
     load_chat_template,
@@ -31,6 +32,7 @@ from rlserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT_S
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_ENV, runtime_lora_updating_env
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
+from rlserve.server.vllm_flags import UNKNOWN_FLAG_HINT, add_vllm_flags
 
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -42,38 +44,7 @@ DEFAULT_KEEP_ALIVE_S = 60.0
 DEFAULT_HOST = "127.0.0.1"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RL_API_AUTH = ("key", "none")
-
-
-@dataclass(frozen=True)
-class Unsupported:
-    """A vLLM flag rlserve refuses: `accepted` is the one value (if any) that asks for what rlserve does anyway."""
-
-    flags: tuple[str, ...]
-    reason: str
-    takes_value: bool = False
-    accepted: str | None = None
-
-
-_ONE_GPU = "rlserve runs one engine on one device"
-_NOT_YET = "parallelism is not supported yet"
-UNSUPPORTED: tuple[Unsupported, ...] = (
-    Unsupported(("--pipeline-parallel-size", "-pp"), f"{_ONE_GPU}: pipeline {_NOT_YET}", True, "1"),
-)
-
-
-class _Refuse(argparse.Action):
-    """A flag of `UNSUPPORTED`: a usage error naming it and the reason, unless given its accepted value."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, entry: Unsupported, **kwargs: Any) -> None:
-        self.entry = entry
-        nargs = None if entry.takes_value else 0
-        super().__init__(option_strings, argparse.SUPPRESS, nargs=nargs, default=argparse.SUPPRESS, **kwargs)
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
-    ) -> None:
-        if self.entry.accepted is None or values != self.entry.accepted:
-            parser.error(f"{option}: {self.entry.reason}")
+EXECUTOR_BACKENDS = ("mp", "uni", "ray", "external_launcher")  # vLLM's --distributed-executor-backend values
 
 
 def is_loopback(host: str) -> bool:
@@ -123,6 +94,51 @@ def _check_model(args: argparse.Namespace) -> None:
     # Clients name the model as it was given (a hub id, not the cache directory it resolves to), as in vLLM.
     args.served_model_name = args.served_model_name or [given]
     args.model = resolve_model(given, getattr(args, "revision", None))  # a failure is a usage error: one line
+
+
+def _json_object(flag: str, text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: {text!r} is not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: expected a JSON object, got {text!r}")
+    return value
+
+
+def _check_additional_config(args: argparse.Namespace) -> None:
+    """vLLM's --additional-config, a free-form object its plugins read: rlserve implements prime-rl's fp32_lm_head
+    (the LM head, and so the logprobs, in fp32: --lm-head-dtype float32) and refuses every other key by name."""
+    config = _json_object("--additional-config", args.additional_config)
+    unknown = sorted(set(config) - {"fp32_lm_head", "fp32_router_logits"})
+    if unknown:
+        raise ValueError(f"--additional-config: unknown key(s) {unknown} (rlserve implements: fp32_lm_head)")
+    if config.get("fp32_router_logits"):
+        raise ValueError(
+            "--additional-config fp32_router_logits: not implemented (rlserve's MoE router GEMM writes the model "
+            "dtype; only its softmax runs in fp32)"
+        )
+    if config.get("fp32_lm_head"):
+        given = getattr(args, "lm_head_dtype", "float32")  # engine flags not given are absent from the namespace
+        if given != "float32":
+            raise ValueError(
+                f"--additional-config fp32_lm_head sets lm_head_dtype float32, but --lm-head-dtype {given}"
+            )
+        args.lm_head_dtype = "float32"
+
+
+def _check_executor_backend(args: argparse.Namespace) -> None:
+    """vLLM's executor: rlserve's is processes of this host (mp; uni with one rank). Ray is accepted for one rank,
+    whose worker runs in the engine core's own process wherever the caller (SkyRL's Ray actor) placed it."""
+    backend = args.distributed_executor_backend
+    tensor_parallel = getattr(args, "tensor_parallel_size", 1)
+    if backend == "external_launcher" or (backend == "ray" and tensor_parallel > 1):
+        raise ValueError(
+            f"--distributed-executor-backend {backend}: rlserve starts its tensor-parallel ranks as processes of this "
+            "host (mp); for Ray placement use --data-parallel-backend ray"
+        )
 
 
 def _check_rl_api_auth(args: argparse.Namespace) -> None:
@@ -191,10 +207,22 @@ def _check_defaults(args: argparse.Namespace) -> None:
         chat_template=load_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
-        sampling=generation_defaults(args.model, args.generation_config),
+        sampling=generation_defaults(args.model, args.generation_config) | _generation_overrides(args),
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
     )
+
+
+def _generation_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """--override-generation-config: generation-config fields over --generation-config's, as vLLM applies them (its
+    keys, e.g. max_new_tokens); a key vLLM would not apply is refused by name, not dropped."""
+    overrides = _json_object("--override-generation-config", args.override_generation_config)
+    unknown = sorted(set(overrides) - set(GENERATION_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"--override-generation-config: unknown key(s) {unknown} (known: {', '.join(GENERATION_CONFIG_FIELDS)})"
+        )
+    return {GENERATION_CONFIG_FIELDS[key]: value for key, value in overrides.items() if value is not None}
 
 
 def parse_lora_module(text: str) -> dict[str, str | None]:
@@ -250,6 +278,8 @@ def _check_keep_alive(args: argparse.Namespace) -> None:
 SERVE_CHECKS = (
     _check_model,
     _check_api_keys,
+    _check_additional_config,
+    _check_executor_backend,
     _check_rl_api_auth,
     check_pipelinerl_arguments,
     _check_profiler_routes,
@@ -380,6 +410,27 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         f"vllm none (default: auto, as vLLM). Choices: {', '.join(GENERATION_CONFIG_CHOICES)} or a directory",
     )
     serve.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help='generation-config fields over --generation-config\'s, e.g. \'{"temperature": 0.6, "max_new_tokens": '
+        "512}' (vLLM's option): the same request defaults",
+    )
+    serve.add_argument(
+        "--additional-config",
+        default=None,
+        metavar="JSON",
+        help="vLLM's free-form plugin config; rlserve implements {\"fp32_lm_head\": true} (prime-rl's: the LM head in "
+        "fp32, as --lm-head-dtype float32) and refuses other keys",
+    )
+    serve.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default=None,
+        help="vLLM's executor: rlserve's tensor-parallel ranks are processes of this host, as mp (uni: one rank); ray "
+        "is accepted with one rank (its worker runs in the engine core process), external_launcher is refused",
+    )
+    serve.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -409,17 +460,18 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for vLLM's command lines: rlserve logs no periodic stats (read /metrics)",
     )
-    unsupported = serve.add_argument_group("refused", "vLLM flags rlserve does not support yet: a usage error")
-    for entry in UNSUPPORTED:
-        help_text = f"refused: {entry.reason}" + (f" (except {entry.accepted})" if entry.accepted else "")
-        unsupported.add_argument(*entry.flags, action=_Refuse, entry=entry, help=help_text)
     add_pipelinerl_arguments(serve)
     add_engine_arguments(serve)
+    add_vllm_flags(serve)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> FlagParser:
     serve = subparsers.add_parser(
-        "serve", help="OpenAI-compatible HTTP server, with optional RL control routes", checks=SERVE_CHECKS
+        "serve",
+        help="OpenAI-compatible HTTP server, with optional RL control routes",
+        usage="rlserve serve [MODEL] [--model MODEL] [options] (rlserve serve --help lists them)",
+        checks=SERVE_CHECKS,
+        unknown_flag_hint=UNKNOWN_FLAG_HINT,
     )
     add_serve_arguments(serve)
     return serve

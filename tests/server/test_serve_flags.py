@@ -22,7 +22,7 @@ from rlserve.engine.args import engine_fields, engine_flags, engine_kwargs, make
 from rlserve.server import serve_flags
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from rlserve.server.serve_flags import DEV_MODE_ENV, UNSUPPORTED
+from rlserve.server.serve_flags import DEV_MODE_ENV
 from rlserve.toy import make_model_dir
 
 pytestmark = pytest.mark.usefixtures("model_names_as_dirs")
@@ -103,15 +103,6 @@ def test_api_keys_and_served_model_names_are_lists(monkeypatch: pytest.MonkeyPat
 def test_tensor_parallel_size_is_a_flag_with_vllms_short_form() -> None:
     for argv in (["-tp", "2"], ["--tensor-parallel-size", "2"], ["--tensor_parallel_size=2"]):
         assert engine_kwargs(parse("m", *argv)) == {"tensor_parallel_size": 2}
-
-
-@pytest.mark.parametrize("entry", UNSUPPORTED, ids=lambda e: e.flags[0])
-def test_unsupported_vllm_flags_are_refused_by_name(entry: serve_flags.Unsupported, capsys) -> None:
-    for flag in entry.flags:
-        argv = [flag, "2"] if entry.takes_value else [flag]
-        assert f"{flag}: {entry.reason}" in refused(capsys, "m", *argv)
-        if entry.accepted is not None:  # what rlserve does anyway: accepted, and nothing else changes
-            assert vars(parse("m", flag, entry.accepted)) == vars(parse("m"))
 
 
 def test_quantization_bf16_last_layer_fp32_is_an_fp32_lm_head(capsys: pytest.CaptureFixture) -> None:
