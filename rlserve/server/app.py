@@ -154,19 +154,28 @@ def _finish_reason(engine_reason: str | None, tool_calls: Sequence[ToolCall]) ->
 
 
 class _WeightVersions:
-    """Each choice's `weight_versions` as the request asks: vLLM's spans over all its tokens, on its last chunk
-    (`return_weight_versions`), or rlserve's version of each token of the chunk."""
+    """Each choice's weight-version fields as the request asks: vLLM's `weight_versions`, spans over all its tokens
+    on its last chunk, and rlserve's `token_weight_versions`, the version of each token of the chunk."""
 
-    def __init__(self, req: _GenerationRequest) -> None:
-        self.spans = req.return_weight_versions
+    def __init__(self, spans: bool, per_token: bool) -> None:
+        self.spans = spans
+        self.per_token = per_token
         self.seen: dict[int, list[str]] = {}
 
-    def __call__(self, index: int, sample: CompletionOutput) -> Any:
-        if not self.spans:
-            return sample.weight_versions
-        versions = self.seen.setdefault(index, [])
-        versions += sample.weight_versions or []
-        return weight_version_spans(versions) if sample.finish_reason is not None else None
+    @classmethod
+    def of(cls, req: _GenerationRequest) -> _WeightVersions:
+        return cls(req.return_weight_versions, req.return_token_weight_versions)
+
+    def __call__(self, index: int, sample: CompletionOutput) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.per_token:
+            fields["token_weight_versions"] = sample.weight_versions
+        if self.spans:
+            versions = self.seen.setdefault(index, [])
+            versions += sample.weight_versions or []
+            if sample.finish_reason is not None:
+                fields["weight_versions"] = weight_version_spans(versions)
+        return fields
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
@@ -407,7 +416,7 @@ class OpenAIServing:
         self._check_serving()
         response_id, request_id = self._request_ids(req, "cmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
-        weight_versions = _WeightVersions(req)
+        weight_versions = _WeightVersions.of(req)
         n = params.n
 
         if req.stream:
@@ -429,7 +438,7 @@ class OpenAIServing:
                     logprobs=logprobs,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    weight_versions=weight_versions(index, s),
+                    **weight_versions(index, s),
                     routed_experts=routed_experts_field(s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                     prompt_logprobs=prompt_logprobs(prompt_lps, fmt),
@@ -459,7 +468,7 @@ class OpenAIServing:
                         logprobs=None if s.logprobs is None else completion_logprobs(s, fmt, 0)[0],
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
-                        weight_versions=weight_versions(i * n + s.index, s),
+                        **weight_versions(i * n + s.index, s),
                         routed_experts=routed_experts_field(s),
                         token_ids=s.token_ids if req.return_token_ids else None,
                         prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
@@ -546,7 +555,7 @@ class OpenAIServing:
         self._check_serving()
         response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
-        weight_versions = _WeightVersions(req)
+        weight_versions = _WeightVersions.of(req)
         echoed = req.echoed()
         top_k = params.logprobs or 0
         # vLLM's: a reply without its reasoning has no logprobs or token ids either (they would show it), on a
@@ -595,7 +604,7 @@ class OpenAIServing:
                     logprobs=logprobs(s),
                     finish_reason=finish_reason,
                     stop_reason=s.stop_reason,
-                    weight_versions=weight_versions(index, s),
+                    **weight_versions(index, s),
                     routed_experts=routed_experts_field(s),
                     token_ids=token_ids(s),
                 )
@@ -647,7 +656,7 @@ class OpenAIServing:
                     logprobs=logprobs(s),
                     finish_reason=_finish_reason(s.finish_reason, calls),
                     stop_reason=s.stop_reason,
-                    weight_versions=weight_versions(s.index, s),
+                    **weight_versions(s.index, s),
                     routed_experts=routed_experts_field(s),
                     token_ids=token_ids(s),
                 )
@@ -677,6 +686,8 @@ class OpenAIServing:
         self._check_serving()
         request_id = req.request_id or new_id("generate")
         self._claim(request_id)
+        # vLLM's generate route sends the spans on every finished choice, unasked.
+        weight_versions = _WeightVersions(spans=True, per_token=req.return_token_weight_versions)
 
         def choice(s: CompletionOutput) -> GenerateChoice:
             return GenerateChoice(
@@ -685,7 +696,7 @@ class OpenAIServing:
                 logprobs=None if s.logprobs is None else tokens_logprobs(s),
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                weight_versions=s.weight_versions,
+                **weight_versions(s.index, s),
                 routed_experts=routed_experts_field(s),
             )
 

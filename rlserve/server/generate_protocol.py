@@ -103,6 +103,7 @@ class GenerateRequest(_StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # the prompt's token ids in the response (vLLM's)
+    return_token_weight_versions: bool = False  # rlserve's: each choice's token_weight_versions (see protocol.py)
     output_mode: Literal["tokens"] = "tokens"
     priority: Literal[0] = 0  # rlserve schedules first come, first served
 
@@ -112,6 +113,10 @@ class GenerateRequest(_StrictModel):
 
 
 class GenerateLogProb(BaseModel):
+    """vLLM 0.33's integer `token_id` and `rank`, and beside them the `token` string "token_id:N" of vLLM up to 0.24,
+    whose generate route sent OpenAI chat logprobs (prime-rl's renderers client checks it): both schemas validate."""
+
+    token: str
     token_id: int
     logprob: float
     rank: int | None = None
@@ -151,7 +156,7 @@ class GenerateStreamResponse(_GenerateBody):
 
 
 def _logprob(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
-    return {"token_id": token_id, "logprob": finite(logprob), "rank": rank}
+    return {"token": f"token_id:{token_id}", "token_id": token_id, "logprob": finite(logprob), "rank": rank}
 
 
 def tokens_logprobs(sample: CompletionOutput) -> GenerateLogProbs:

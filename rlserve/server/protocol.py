@@ -243,8 +243,11 @@ class _GenerationRequest(OpenAIBaseModel):
     # A prefix-cache namespace: requests with different salts never share cached blocks (vLLM's limits).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM's: each choice's weight_versions as spans [{version, start, end}] of its output tokens (in a stream, on the
-    # choice's last chunk). Without it, rlserve's extension: every chunk's weight_versions lists each token's version.
+    # choice's last chunk). Without it, no weight versions (vLLM's default).
     return_weight_versions: bool = False
+    # rlserve's: each choice's token_weight_versions, the version of each of its tokens (in a stream, those of the
+    # chunk's tokens); a separate field, so a client parsing weight_versions with vLLM's schema never sees strings.
+    return_token_weight_versions: bool = False
     # vLLM's: with --enable-return-routed-experts, the prompt tokens whose routing each choice leaves out.
     routed_experts_prompt_start: int = Field(default=0, ge=0)
 
@@ -556,9 +559,10 @@ class _ChoiceExtras(BaseModel):
     """rlserve/vLLM extensions on every choice."""
 
     stop_reason: int | str | None = None
-    # The weight versions that sampled the output: vLLM's spans with return_weight_versions, else each token's
-    # version (rlserve's): RL clients see which policy produced what.
-    weight_versions: list[WeightVersionSpan] | list[str] | None = None
+    # The weight versions that sampled the output, as the request asks: vLLM's spans (return_weight_versions) and
+    # rlserve's version of each token (return_token_weight_versions): RL clients see which policy produced what.
+    weight_versions: list[WeightVersionSpan] | None = None
+    token_weight_versions: list[str] | None = None
     token_ids: list[int] | None = None  # with return_token_ids
     # vLLM's: with --enable-return-routed-experts, on a finished choice, CompletionOutput.routed_experts as base64 of
     # its .npy bytes (np.load(io.BytesIO(base64.b64decode(s)))).

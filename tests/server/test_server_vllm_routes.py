@@ -64,8 +64,12 @@ def tokenize(http: httpx.Client, text: str) -> list[int]:
     return response.json()["tokens"]
 
 
-def generate(http: httpx.Client, token_ids: list[int], salt: str | None, **params) -> dict:
+def generate(
+    http: httpx.Client, token_ids: list[int], salt: str | None, return_token_weight_versions: bool = False, **params
+) -> dict:
     body = {"token_ids": token_ids, "sampling_params": {**GREEDY, "logprobs": 1, **params}, "model": MODEL_NAME}
+    if return_token_weight_versions:
+        body["return_token_weight_versions"] = True
     if salt is not None:
         body["cache_salt"] = salt
     response = http.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "rollout-7"})
@@ -82,6 +86,13 @@ def test_prime_rl_generate_matches_completions_and_salts_separate_the_prefix_cac
     content = choice["logprobs"]["content"]
     assert [c["token_id"] for c in content] == choice["token_ids"]
     assert all(c["top_logprobs"][0]["token_id"] == c["token_id"] for c in content)  # the sampled token first
+    # vLLM <= 0.24's `token` beside 0.33's `token_id` (prime-rl's renderers client requires it), on every candidate.
+    assert all(t["token"] == f"token_id:{t['token_id']}" for c in content for t in [c, *c["top_logprobs"]])
+    # vLLM 0.33's generate route sends the spans on a finished choice unasked; rlserve's per-token list on request.
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": len(choice["token_ids"])}]
+    assert choice["token_weight_versions"] is None
+    per_token = generate(http, prompt, "policy-1", return_token_weight_versions=True)
+    assert per_token["choices"][0]["token_weight_versions"] == ["default"] * len(choice["token_ids"])
 
     completion = http.post(
         "/v1/completions",
@@ -110,6 +121,10 @@ def test_generate_streams_and_refuses_bad_fields(http: httpx.Client) -> None:
     chunks = [json.loads(line) for line in lines[:-1]]
     tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
     assert tokens == generate(http, prompt, None, logprobs=None)["choices"][0]["token_ids"]
+    # The spans cover the whole output, on the last chunk of the choice only (vLLM 0.33's stream).
+    spans = [choice["weight_versions"] for c in chunks for choice in c["choices"]]
+    assert spans[:-1] == [None] * (len(spans) - 1)
+    assert spans[-1] == [{"version": "default", "start": 0, "end": len(tokens)}]
     assert chunks[-1]["usage"]["completion_tokens"] == GREEDY["max_tokens"]
 
     url = "/inference/v1/generate"
