@@ -30,6 +30,7 @@ from rlserve.engine.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
+from rlserve.server.completion_echo import CompletionEcho
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.generate_protocol import (
     GenerateChoice,
@@ -418,6 +419,11 @@ class OpenAIServing:
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
         weight_versions = _WeightVersions.of(req)
         n = params.n
+        tokenizer = self.engine.tokenizer
+        echo = CompletionEcho(req.echo, req.max_tokens == 0, not req.return_token_ids, tokenizer.decode)
+
+        def decode(token_id: int) -> str:
+            return tokenizer.decode([token_id])
 
         if req.stream:
             text_offsets: dict[int, int] = {}
@@ -429,12 +435,15 @@ class OpenAIServing:
                 first: bool,
                 prompt_lps: PositionLogprobsList | None,
             ) -> BaseModel:
+                content = echo.content(out, s, first, prompt_lps)
                 logprobs = None
-                if s.logprobs is not None:
-                    logprobs, text_offsets[index] = completion_logprobs(s, fmt, text_offsets.get(index, 0))
+                if content.logprobs is not None:
+                    logprobs, text_offsets[index] = completion_logprobs(
+                        content.token_ids, content.logprobs, fmt, text_offsets.get(index, 0), decode
+                    )
                 choice = CompletionResponseChoice(
                     index=index,
-                    text=s.text,
+                    text=content.text,
                     logprobs=logprobs,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
@@ -461,11 +470,14 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             usage.add(i, out)
             for s in out.outputs:
+                content = echo.content(out, s, True, out.prompt_logprobs)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + s.index,
-                        text=s.text,
-                        logprobs=None if s.logprobs is None else completion_logprobs(s, fmt, 0)[0],
+                        text=content.text,
+                        logprobs=None
+                        if content.logprobs is None
+                        else completion_logprobs(content.token_ids, content.logprobs, fmt, 0, decode)[0],
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
                         **weight_versions(i * n + s.index, s),

@@ -402,6 +402,7 @@ FIELD_TESTS: dict[str, str] = {
     "return_token_weight_versions": "test_weight_versions_only_on_request",
     "add_generation_prompt": "test_sampling_fields_reach_the_engine",
     "continue_final_message": "test_continue_final_message_and_echo",
+    # chat's echo; completions' in test_server_vllm_routes.py::test_pipelinerl_scores_with_echo_and_max_tokens_0
     "echo": "test_continue_final_message_and_echo",
     "chat_template": "test_chat_template_kwargs_and_documents",
     "chat_template_kwargs": "test_chat_template_kwargs_and_documents",
