@@ -266,6 +266,7 @@ def test_facts_routes(routes_server: Server, http: httpx.Client) -> None:
     assert http.get("/load").json() == {"server_load": 0}
     info = http.get("/server_info", params={"config_format": "json"}).json()
     assert set(info) == {"vllm_config", "vllm_env", "system_env"} and isinstance(info["vllm_config"], dict)
+    assert info["vllm_config"]["model_config"]["dtype"].startswith("torch.")  # vLLM's nesting (TRL reads it)
     assert isinstance(http.get("/server_info").json()["vllm_config"], str)
     assert_error(http.get("/server_info", params={"config_format": "yaml"}), 400, "query.config_format")
     assert httpx.get(routes_server.url + "/server_info").status_code == 401
