@@ -5,12 +5,14 @@ costs seconds)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from conftest import _serve
 from safetensors.torch import load_file
@@ -148,6 +150,35 @@ def test_generate_streams_and_refuses_bad_fields(http: httpx.Client) -> None:
     assert_error(http.post(url, json={**good, "model": "other"}), 404, "model")
     assert http.post(url, content=b"{", headers={"content-type": "application/json"}).status_code == 400
     assert httpx.post(f"{http.base_url}{url}", json=good).status_code == 401  # the API key guards it
+
+
+def test_prime_rl_renderers_client_parses_generate(routes_server: Server, server_model_dir: Path) -> None:
+    """prime-rl's renderer client, run: `renderers.client.generate` of renderers 0.1.12 (the package index's; prime-rl
+    559b4477 requires renderers>=0.1.9) renders the chat, posts /inference/v1/generate and raises
+    MalformedGenerateResponseError unless each logprobs.content[i].token is the sampled "token_id:N" with a logprob."""
+    renderers_client = pytest.importorskip(
+        "renderers.client", reason="pip install --no-deps -r requirements-frameworks.txt"
+    )
+    from renderers import DefaultRendererConfig
+    from renderers.base import create_renderer
+    from transformers import AutoTokenizer
+
+    renderer = create_renderer(AutoTokenizer.from_pretrained(server_model_dir), DefaultRendererConfig())
+
+    async def go() -> dict:
+        client = openai.AsyncOpenAI(base_url=routes_server.url + "/v1", api_key=API_KEY, max_retries=0)
+        async with client:
+            return await renderers_client.generate(
+                client=client,
+                renderer=renderer,
+                messages=[{"role": "user", "content": "2+3="}],
+                model=MODEL_NAME,
+                sampling_params={"max_tokens": 6, "temperature": 0.0},
+            )
+
+    out = asyncio.run(go())
+    assert 0 < len(out["completion_ids"]) == len(out["completion_logprobs"]) <= 6
+    assert all(lp <= 0.0 for lp in out["completion_logprobs"]) and out["finish_reason"] in ("stop", "length")
 
 
 def test_generate_takes_skyrl_and_prime_rl_sampling_fields(http: httpx.Client) -> None:
