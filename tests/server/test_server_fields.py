@@ -436,7 +436,7 @@ def test_every_field_has_an_effect_or_is_refused(model: type) -> None:
         source = (TESTS / (file or Path(__file__).name)).read_text()
         assert f"def {function}(" in source, f"{name}: {test} does not exist"
     assert not unaccounted, f"fields neither tested for an effect nor refused: {unaccounted}"
-    # A declared field is implemented by its model (chat's echo and reasoning fields), or typed to its one accepted
+    # A declared field is implemented by its model (chat's reasoning fields), or typed to its one accepted
     # value: none of the refused ones is declared and then dropped.
     implemented = {n for n, info in model.model_fields.items() if not _is_single_literal(info.annotation)}
-    assert set(REFUSED_FIELDS) & implemented <= {"echo", "include_reasoning", "reasoning_effort"}
+    assert set(REFUSED_FIELDS) & implemented <= {"include_reasoning", "reasoning_effort"}
