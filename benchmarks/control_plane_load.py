@@ -71,7 +71,7 @@ async def _one_request(http: httpx.AsyncClient, body: dict, max_tokens: int) -> 
                         code = int(event["error"].get("code") or 500)
                         return "refused" if code == 503 else "5xx" if code >= 500 else "4xx"
                     for choice in event["choices"]:
-                        new = len(choice.get("weight_versions") or [])
+                        new = len(choice.get("token_weight_versions") or [])
                         late = late or (finish is not None and new > 0)
                         tokens += new
                         finish = choice.get("finish_reason") or finish
@@ -92,6 +92,7 @@ async def _client_worker() -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     fates: Counter[str] = Counter()
     body = {"model": MODEL_NAME, "prompt": "the control plane", "max_tokens": job["max_tokens"], "stream": True}
+    body["return_token_weight_versions"] = True  # one version per token: counts each chunk's tokens
     body.update(temperature=1.0, ignore_eos=True)
     async with httpx.AsyncClient(base_url=job["url"], limits=limits, timeout=None, headers=headers) as http:
         print("ready", flush=True)

@@ -21,11 +21,13 @@ async def _one(http: httpx.AsyncClient, body: dict, stream: bool) -> int:
         response.raise_for_status()
         return response.json()["usage"]["completion_tokens"]
     tokens = 0
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+    async with http.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "return_token_weight_versions": True}
+    ) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
-                tokens += sum(len(c.get("weight_versions") or []) for c in json.loads(line[6:])["choices"])
+                tokens += sum(len(c.get("token_weight_versions") or []) for c in json.loads(line[6:])["choices"])
     return tokens
 
 

@@ -44,7 +44,14 @@ def start_server(model_dir: Path, port: int, api_key: str) -> subprocess.Popen:
 def complete(url: str, api_key: str, prompt: str) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"}
     model = httpx.get(f"{url}/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_weight_versions": True,
+    }
     response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
     response.raise_for_status()
     return response.json()["choices"][0]
@@ -98,7 +105,7 @@ def main() -> int:
             rl.resume()
 
             after = complete(url, args.api_key, "1+2=")
-            print("after: ", after["text"].encode(), "versions:", set(after["weight_versions"]))
+            print("after: ", after["text"].encode(), "versions:", set(after["token_weight_versions"]))
             print("server weight version:", rl.get_weight_version())
             group.shutdown()
             return 0 if rl.get_weight_version() == "step-1" else 1

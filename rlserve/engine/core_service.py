@@ -402,6 +402,7 @@ class EngineCoreService:
         return dict(
             num_running=len(core.scheduler.running),
             num_waiting=len(core.scheduler.waiting),
+            num_waiting_deferred=min(core.scheduler.num_deferred, len(core.scheduler.waiting)),
             num_prompt_tokens=core.num_prompt_tokens,
             num_generated_tokens=core.num_generated_tokens,
             num_preemptions=core.scheduler.num_preemptions,
@@ -419,6 +420,7 @@ class EngineCoreService:
             cache_config=dict(
                 block_size=config.block_size,
                 num_gpu_blocks=core.kv_cache.num_blocks,
+                kv_cache_size_tokens=core.kv_cache.num_blocks * config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 gpu_memory_utilization=config.gpu_memory_utilization,
             ),

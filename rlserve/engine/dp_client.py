@@ -158,7 +158,7 @@ def combine_stats(values: list[dict[str, Any]], router: DPRouter) -> dict[str, A
     # A label on /metrics, read while a weight update may be half-way through the ranks: shown, not raised.
     combined["weight_version"] = ",".join(dict.fromkeys(v["weight_version"] for v in values))
     combined["cache_config"] = first["cache_config"] | {
-        "num_gpu_blocks": sum(v["cache_config"]["num_gpu_blocks"] for v in values)
+        name: sum(v["cache_config"][name] for v in values) for name in ("num_gpu_blocks", "kv_cache_size_tokens")
     }
     combined["data_parallel"] = [
         v | {"num_requests_routed": router.num_routed[rank], "num_requests_in_flight": router.in_flight[rank]}

@@ -42,6 +42,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0  # since start, for metrics
+        # Waiting requests the last step held back for another request's prefix rather than for capacity (vLLM's
+        # "deferred" waiting reason), for metrics.
+        self.num_deferred = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -63,6 +66,7 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def schedule(self) -> list[ScheduledRequest]:
+        self.num_deferred = 0
         if self.pause_state is PauseState.PAUSED_ALL:
             return []
         budget = self.config.max_num_batched_tokens
@@ -126,6 +130,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
+        self.num_deferred = len(deferred)
 
     def preempt(self, request: Request) -> None:
         """Free the request's KV and queue it first in line; it recomputes its tokens when readmitted."""

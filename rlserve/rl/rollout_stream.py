@@ -98,6 +98,7 @@ class RolloutStream:
             "temperature": self.temperature,
             "logprobs": 0,  # the sampled token's logprob only
             "return_token_ids": True,
+            "return_token_weight_versions": True,  # each token's weight version: the lag of every token
             # Seeded per request: a request's samples do not depend on what else is in the engine's batch.
             "seed": self._seed * 1_000_003 + self._num_requests * self.group_size,
         }
@@ -109,7 +110,7 @@ class RolloutStream:
                 prompt_ids=prompt_ids,
                 completion_ids=choice["token_ids"],
                 logprobs=choice["logprobs"]["token_logprobs"],
-                versions=[int(v) for v in choice["weight_versions"]],
+                versions=[int(v) for v in choice["token_weight_versions"]],
                 reward=self.task.reward(problem, choice["text"], choice["finish_reason"]),
             )
             for choice in sorted(response.json()["choices"], key=lambda c: c["index"])

@@ -36,6 +36,7 @@ from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.access import PUBLIC_PATHS, AccessGuard, AccessPolicy, RendezvousHosts
+from rlserve.server.completion_echo import CompletionEcho
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.framework_routes import (
     FRAMEWORK_PUBLIC_PATHS,
@@ -160,19 +161,28 @@ def _finish_reason(engine_reason: str | None, tool_calls: Sequence[ToolCall]) ->
 
 
 class _WeightVersions:
-    """Each choice's `weight_versions` as the request asks: vLLM's spans over all its tokens, on its last chunk
-    (`return_weight_versions`), or rlserve's version of each token of the chunk."""
+    """Each choice's weight-version fields as the request asks: vLLM's `weight_versions`, spans over all its tokens
+    on its last chunk, and rlserve's `token_weight_versions`, the version of each token of the chunk."""
 
-    def __init__(self, req: _GenerationRequest) -> None:
-        self.spans = req.return_weight_versions
+    def __init__(self, spans: bool, per_token: bool) -> None:
+        self.spans = spans
+        self.per_token = per_token
         self.seen: dict[int, list[str]] = {}
 
-    def __call__(self, index: int, sample: CompletionOutput) -> Any:
-        if not self.spans:
-            return sample.weight_versions
-        versions = self.seen.setdefault(index, [])
-        versions += sample.weight_versions or []
-        return weight_version_spans(versions) if sample.finish_reason is not None else None
+    @classmethod
+    def of(cls, req: _GenerationRequest) -> _WeightVersions:
+        return cls(req.return_weight_versions, req.return_token_weight_versions)
+
+    def __call__(self, index: int, sample: CompletionOutput) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.per_token:
+            fields["token_weight_versions"] = sample.weight_versions
+        if self.spans:
+            versions = self.seen.setdefault(index, [])
+            versions += sample.weight_versions or []
+            if sample.finish_reason is not None:
+                fields["weight_versions"] = weight_version_spans(versions)
+        return fields
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
@@ -428,8 +438,13 @@ class OpenAIServing:
         self._check_serving()
         response_id, request_id = self._request_ids(req, "cmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
-        weight_versions = _WeightVersions(req)
+        weight_versions = _WeightVersions.of(req)
         n = params.n
+        tokenizer = self.engine.tokenizer
+        echo = CompletionEcho(req.echo, req.max_tokens == 0, not req.return_token_ids, tokenizer.decode)
+
+        def decode(token_id: int) -> str:
+            return tokenizer.decode([token_id])
 
         if req.stream:
             text_offsets: dict[int, int] = {}
@@ -441,16 +456,19 @@ class OpenAIServing:
                 first: bool,
                 prompt_lps: PositionLogprobsList | None,
             ) -> BaseModel:
+                content = echo.content(out, s, first, prompt_lps)
                 logprobs = None
-                if s.logprobs is not None:
-                    logprobs, text_offsets[index] = completion_logprobs(s, fmt, text_offsets.get(index, 0))
+                if content.logprobs is not None:
+                    logprobs, text_offsets[index] = completion_logprobs(
+                        content.token_ids, content.logprobs, fmt, text_offsets.get(index, 0), decode
+                    )
                 choice = CompletionResponseChoice(
                     index=index,
-                    text=s.text,
+                    text=content.text,
                     logprobs=logprobs,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    weight_versions=weight_versions(index, s),
+                    **weight_versions(index, s),
                     routed_experts=routed_experts_field(s),
                     token_ids=s.token_ids if req.return_token_ids else None,
                     prompt_logprobs=prompt_logprobs(prompt_lps, fmt),
@@ -473,14 +491,17 @@ class OpenAIServing:
         for i, out in enumerate(finals):
             usage.add(i, out)
             for s in out.outputs:
+                content = echo.content(out, s, True, out.prompt_logprobs)
                 choices.append(
                     CompletionResponseChoice(
                         index=i * n + s.index,
-                        text=s.text,
-                        logprobs=None if s.logprobs is None else completion_logprobs(s, fmt, 0)[0],
+                        text=content.text,
+                        logprobs=None
+                        if content.logprobs is None
+                        else completion_logprobs(content.token_ids, content.logprobs, fmt, 0, decode)[0],
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
-                        weight_versions=weight_versions(i * n + s.index, s),
+                        **weight_versions(i * n + s.index, s),
                         routed_experts=routed_experts_field(s),
                         token_ids=s.token_ids if req.return_token_ids else None,
                         prompt_logprobs=prompt_logprobs(out.prompt_logprobs, fmt),
@@ -568,7 +589,7 @@ class OpenAIServing:
         self._check_serving()
         response_id, request_id = self._request_ids(req, "chatcmpl")
         fmt = TokenFormatter(self.defaults.tokens_as_token_ids(req))
-        weight_versions = _WeightVersions(req)
+        weight_versions = _WeightVersions.of(req)
         echoed = req.echoed()
         top_k = params.logprobs or 0
         # vLLM's: a reply without its reasoning has no logprobs or token ids either (they would show it), on a
@@ -617,7 +638,7 @@ class OpenAIServing:
                     logprobs=logprobs(s),
                     finish_reason=finish_reason,
                     stop_reason=s.stop_reason,
-                    weight_versions=weight_versions(index, s),
+                    **weight_versions(index, s),
                     routed_experts=routed_experts_field(s),
                     token_ids=token_ids(s),
                 )
@@ -669,7 +690,7 @@ class OpenAIServing:
                     logprobs=logprobs(s),
                     finish_reason=_finish_reason(s.finish_reason, calls),
                     stop_reason=s.stop_reason,
-                    weight_versions=weight_versions(s.index, s),
+                    **weight_versions(s.index, s),
                     routed_experts=routed_experts_field(s),
                     token_ids=token_ids(s),
                 )
@@ -699,6 +720,8 @@ class OpenAIServing:
         self._check_serving()
         request_id = req.request_id or new_id("generate")
         self._claim(request_id)
+        # vLLM's generate route sends the spans on every finished choice, unasked.
+        weight_versions = _WeightVersions(spans=True, per_token=req.return_token_weight_versions)
 
         def choice(s: CompletionOutput) -> GenerateChoice:
             return GenerateChoice(
@@ -707,7 +730,7 @@ class OpenAIServing:
                 logprobs=None if s.logprobs is None else tokens_logprobs(s),
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                weight_versions=s.weight_versions,
+                **weight_versions(s.index, s),
                 routed_experts=routed_experts_field(s),
             )
 

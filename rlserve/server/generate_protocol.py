@@ -30,11 +30,22 @@ from rlserve.server.protocol import (
 
 M = TypeVar("M", bound=BaseModel)
 
-# The server decides how outputs are delivered (stream or not); the engine's extras and the bad words' token ids (the
-# tokenizer's) are not a client's to set.
-_SERVER_SET = frozenset({"output_kind", "extra_args", "_bad_words_token_ids"})
+# The bad words' token ids are the server's tokenizer's, not a client's to set; output_kind is checked on its own.
+_SERVER_SET = frozenset({"output_kind", "_bad_words_token_ids"})
 SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__) - _SERVER_SET
 _SAMPLING_ADAPTER = TypeAdapter(SamplingParams)  # non-finite floats: SamplingParams refuses them itself
+# vLLM's engine-side choice of its logprobs container (FlatLogprobs or a list of dicts): the wire is the same either
+# way, in vLLM as in rlserve, so any bool is accepted.
+_WIRE_NEUTRAL = frozenset({"flat_logprobs"})
+# vLLM's generate route delivers as `stream` says, whatever output_kind asks (serving.py sets it): rlserve accepts the
+# kinds that describe what it delivers (one final output, which is also the cumulative one; deltas when streamed) and
+# refuses the others by name rather than deliver something else.
+_DELIVERED_KINDS = {
+    False: (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
+    True: (RequestOutputKind.DELTA,),
+}
+# vLLM's MessagePack transport carries 64-bit integers only (SamplingParams._verify_extra_args).
+_EXTRA_ARGS_INT_RANGE = (-(2**63), 2**64)
 
 
 def validation_error(exc: ValidationError, prefix: str = "") -> APIError:
@@ -66,8 +77,19 @@ def sampling_params_from_dict(fields: dict[str, Any], stream: bool) -> SamplingP
     absent `max_tokens` means "up to max_model_len", as vLLM's generate route defaults it (not SamplingParams' 16).
     """
     fields = dict(fields)
+    _check_output_kind(fields.pop("output_kind", None), stream)
+    if fields.get("extra_args", {}) is None:
+        del fields["extra_args"]  # vLLM's default: none
+    _check_extra_args(fields.get("extra_args"))
     for name, value in list(fields.items()):
         if name in SAMPLING_KEYS:
+            continue
+        if name in _WIRE_NEUTRAL:
+            if not isinstance(value, bool):
+                raise APIError(
+                    400, f"sampling_params.{name}: must be a boolean (got {value!r})", f"sampling_params.{name}"
+                )
+            del fields[name]
             continue
         param = f"sampling_params.{name}"
         if name in _ONLY_OFF and value in _ONLY_OFF[name]:
@@ -81,6 +103,46 @@ def sampling_params_from_dict(fields: dict[str, Any], stream: bool) -> SamplingP
         return _SAMPLING_ADAPTER.validate_python(fields)
     except ValidationError as e:
         raise validation_error(e, "sampling_params.") from e
+
+
+def _check_output_kind(value: Any, stream: bool) -> None:
+    if value is None:
+        return
+    param = "sampling_params.output_kind"
+    try:
+        kind = RequestOutputKind(value) if not isinstance(value, bool) else None
+    except ValueError:
+        kind = None
+    if kind is None:
+        raise APIError(400, f"{param}: one of 0 (CUMULATIVE), 1 (DELTA), 2 (FINAL_ONLY), got {value!r}", param)
+    if kind not in _DELIVERED_KINDS[stream]:
+        delivered = "deltas (1) when streamed" if stream else "one final output (0 or 2) without stream"
+        raise APIError(400, f"{param}: the server delivers {delivered}, as `stream` says (got {value!r})", param)
+
+
+def _check_extra_args(value: Any) -> None:
+    """vLLM's checks of extra_args, and refusals of the keys vLLM's own engine reads (the KV and encoder-cache
+    connectors of disaggregated serving, which rlserve has not). Other keys travel with the request to the engine
+    in SamplingParams.extra_args, as in vLLM, for code that reads them."""
+    param = "sampling_params.extra_args"
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise APIError(400, f"{param}: must be an object (got {value!r})", param)
+    for key in ("kv_transfer_params", "ec_transfer_params"):
+        if key in value:
+            raise APIError(400, f"{param}: {key}: rlserve has no disaggregated serving", param)
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, int) and not isinstance(item, bool):
+            low, high = _EXTRA_ARGS_INT_RANGE
+            if not low <= item < high:
+                raise APIError(400, f"{param}: integers must be between -2**63 and 2**64 - 1 (got {item})", param)
+        elif isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            pending += item
 
 
 def sampling_params_dict(params: SamplingParams) -> dict[str, Any]:
@@ -103,6 +165,7 @@ class GenerateRequest(_StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # the prompt's token ids in the response (vLLM's)
+    return_token_weight_versions: bool = False  # rlserve's: each choice's token_weight_versions (see protocol.py)
     output_mode: Literal["tokens"] = "tokens"
     priority: Literal[0] = 0  # rlserve schedules first come, first served
 
@@ -112,6 +175,10 @@ class GenerateRequest(_StrictModel):
 
 
 class GenerateLogProb(BaseModel):
+    """vLLM 0.33's integer `token_id` and `rank`, and beside them the `token` string "token_id:N" of vLLM up to 0.24,
+    whose generate route sent OpenAI chat logprobs (prime-rl's renderers client checks it): both schemas validate."""
+
+    token: str
     token_id: int
     logprob: float
     rank: int | None = None
@@ -151,7 +218,7 @@ class GenerateStreamResponse(_GenerateBody):
 
 
 def _logprob(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
-    return {"token_id": token_id, "logprob": finite(logprob), "rank": rank}
+    return {"token": f"token_id:{token_id}", "token_id": token_id, "logprob": finite(logprob), "rank": rank}
 
 
 def tokens_logprobs(sample: CompletionOutput) -> GenerateLogProbs:

@@ -70,6 +70,22 @@ class _EngineCollector:
             metric.add_metric([self.model_name, str(rank)], float(stats[key]))
         return metric
 
+    def _waiting_by_reason(self, ranks: list[dict[str, Any]]) -> Metric:
+        """vLLM 0.33's split of vllm:num_requests_waiting (its label values): "capacity", waiting for room in the
+        batch or the KV cache; "deferred", held back by a transient constraint (here: another request is computing
+        the same prefix). prime-rl's concurrency controller reads the capacity queue."""
+        metric = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints. Sum of all reasons equals vllm:num_requests_waiting.",
+            labels=(*ENGINE_LABELS, "reason"),
+        )
+        for rank, stats in enumerate(ranks):
+            deferred = stats["num_waiting_deferred"]
+            metric.add_metric([self.model_name, str(rank), "capacity"], float(stats["num_waiting"] - deferred))
+            metric.add_metric([self.model_name, str(rank), "deferred"], float(deferred))
+        return metric
+
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
         if stats is None:
@@ -94,6 +110,7 @@ class _EngineCollector:
             ),
         ):
             yield self._family(kind, name, doc, ranks, key)
+        yield self._waiting_by_reason(ranks)
         # vLLM's info series is a gauge at 1 whose labels are the cache config and the engine (no model_name).
         configs = [
             {name: str(value) for name, value in rank_stats["cache_config"].items()} | {"engine": str(rank)}

@@ -14,8 +14,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -150,11 +150,10 @@ _TEXT_ONLY = "rlserve serves text-only models"
 _NO_DISAGG = "rlserve has no disaggregated serving"
 _NO_GUIDED = "rlserve has no guided (structured) decoding"
 # vLLM 0.33's request fields that rlserve does not implement, on /v1/completions and /v1/chat/completions (a request
-# model that declares one of these names implements it: chat's echo, include_reasoning and reasoning_effort). Sent
+# model that declares one of these names implements it: chat's include_reasoning and reasoning_effort). Sent
 # with an "off" value, a field is accepted; with any other, refused by name with the reason: a client must not get
 # output that silently ignored its request.
 REFUSED_FIELDS: dict[str, Refused] = {
-    "echo": Refused("echo on /v1/completions is not implemented (chat's echo is)", (None, False)),
     "user": Refused("rlserve keeps no per-user records (OpenAI's abuse-monitoring id); omit it"),
     "use_beam_search": Refused("beam search is not implemented", (None, False)),
     "length_penalty": Refused("beam search is not implemented", (None, 1.0)),
@@ -260,8 +259,11 @@ class _GenerationRequest(OpenAIBaseModel):
     # A prefix-cache namespace: requests with different salts never share cached blocks (vLLM's limits).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM's: each choice's weight_versions as spans [{version, start, end}] of its output tokens (in a stream, on the
-    # choice's last chunk). Without it, rlserve's extension: every chunk's weight_versions lists each token's version.
+    # choice's last chunk). Without it, no weight versions (vLLM's default).
     return_weight_versions: bool = False
+    # rlserve's: each choice's token_weight_versions, the version of each of its tokens (in a stream, those of the
+    # chunk's tokens); a separate field, so a client parsing weight_versions with vLLM's schema never sees strings.
+    return_token_weight_versions: bool = False
     # vLLM's: with --enable-return-routed-experts, the prompt tokens whose routing each choice leaves out.
     routed_experts_prompt_start: int = Field(default=0, ge=0)
 
@@ -342,10 +344,19 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM's default for completions
+    # vLLM's: each choice starts with its prompt (completion_echo.py); with max_tokens 0, it is the prompt scored.
+    echo: bool = False
 
     def sampling_params(self) -> SamplingParams:
         self.check_supported()
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if not self.echo:
+            return self._sampling_params(self.max_tokens, self.logprobs)
+        # vLLM's: the engine samples one token that the choice leaves out, and the prompt is scored at the logprobs
+        # depth unless prompt_logprobs is given.
+        params = self._sampling_params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs)
+        if self.prompt_logprobs is None and self.logprobs is not None:
+            params = replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or token list, or a batch of them."""
@@ -587,9 +598,10 @@ class _ChoiceExtras(BaseModel):
     """rlserve/vLLM extensions on every choice."""
 
     stop_reason: int | str | None = None
-    # The weight versions that sampled the output: vLLM's spans with return_weight_versions, else each token's
-    # version (rlserve's): RL clients see which policy produced what.
-    weight_versions: list[WeightVersionSpan] | list[str] | None = None
+    # The weight versions that sampled the output, as the request asks: vLLM's spans (return_weight_versions) and
+    # rlserve's version of each token (return_token_weight_versions): RL clients see which policy produced what.
+    weight_versions: list[WeightVersionSpan] | None = None
+    token_weight_versions: list[str] | None = None
     token_ids: list[int] | None = None  # with return_token_ids
     # vLLM's: with --enable-return-routed-experts, on a finished choice, CompletionOutput.routed_experts as base64 of
     # its .npy bytes (np.load(io.BytesIO(base64.b64decode(s)))).
@@ -747,12 +759,26 @@ def prompt_logprobs(entries: list[PositionLogprobs | None] | None, fmt: TokenFor
 
 
 def completion_logprobs(
-    sample: CompletionOutput, fmt: TokenFormatter, text_offset: int
+    token_ids: list[int],
+    entries: list[PositionLogprobs | None],
+    fmt: TokenFormatter,
+    text_offset: int,
+    decode: Callable[[int], str],
 ) -> tuple[CompletionLogProbs, int]:
-    """OpenAI completions logprobs of the sample's tokens, whose offsets count from `text_offset` (the text of earlier
-    deltas); also returns the offset after the last token, where the next delta starts."""
+    """OpenAI completions logprobs of `token_ids` (a sample's, or with echo the prompt's too), whose offsets count from
+    `text_offset` (the text of earlier deltas); also returns the offset after the last token, where the next delta
+    starts. A position without an entry (a prompt's first token) is unscored: its logprob and top logprobs are null and
+    its text is `decode`d (vLLM's)."""
     out = CompletionLogProbs()
-    for token_id, entry in zip(sample.token_ids, sample.logprobs or [], strict=True):
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            token = f"token_id:{token_id}" if fmt.as_token_ids else decode(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(text_offset)
+            text_offset += len(decode(token_id))
+            continue
         token = fmt(token_id, entry[token_id])
         out.tokens.append(token)
         out.token_logprobs.append(finite(entry[token_id].logprob))

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 import rlserve
+from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
 from rlserve.server.guards import check_prompt_chars
 from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessages, CompletionRequest
@@ -141,6 +142,10 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
             raise APIError(400, message, "query.config_format")
         config = engine.config
         as_json = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+        # vLLM's nesting of what clients read from it (TRL's async GRPO reads model_config.dtype, a torch dtype as
+        # str() writes it), beside rlserve's own flat fields.
+        dtype = await serving.off_loop(lambda: resolve_dtype(config.dtype, load_hf_config(config.model)))
+        as_json["model_config"] = {"model": config.model, "dtype": str(dtype), "max_model_len": engine.max_model_len}
         env = {k: _shown_value(k, v) for k, v in os.environ.items() if k.startswith(("VLLM_", "RLSERVE_"))}
         system = {
             "rlserve_version": rlserve.__version__,

@@ -49,7 +49,7 @@ class Choice:
     """What one choice of a stream delivered."""
 
     text: str = ""
-    num_tokens: int = 0  # counted from weight_versions: one entry per token, in every chunk that has tokens
+    num_tokens: int = 0  # counted from token_weight_versions: one entry per token, in every chunk that has tokens
     token_ids: list[int] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
@@ -81,7 +81,7 @@ class Stream:
             choice = self.choices.setdefault(c["index"], Choice())
             choice.num_chunks += 1
             choice.text += c.get("text") or (c.get("delta") or {}).get("content") or ""
-            versions = c.get("weight_versions") or []
+            versions = c.get("token_weight_versions") or []
             choice.weight_versions += versions
             choice.num_tokens += len(versions)
             choice.token_ids += c.get("token_ids") or []
@@ -105,9 +105,11 @@ class Stream:
 async def read_stream(
     client: httpx.AsyncClient, path: str, body: dict, into: Stream | None = None, headers: dict | None = None
 ) -> Stream:
-    """POST a streaming request and parse every SSE event; `into` lets a caller watch the stream as it grows."""
+    """POST a streaming request and parse every SSE event; `into` lets a caller watch the stream as it grows. The
+    request asks for each token's weight version, which counts the tokens of every chunk."""
     stream = into if into is not None else Stream()
-    async with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as response:
+    body = {**body, "stream": True, "return_token_weight_versions": True}
+    async with client.stream("POST", path, json=body, headers=headers) as response:
         assert response.status_code == 200, (await response.aread()).decode()
         async for line in response.aiter_lines():
             if line.startswith("data: "):

@@ -91,11 +91,11 @@ def test_two_api_servers_share_one_core(start_server):
     children = descendants(server.proc.pid)
     assert len(engine_core_pids(server.proc.pid)) == 1
     assert len([p for p in children if p not in engine_core_pids(server.proc.pid)]) >= 2  # the API servers
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "return_token_weight_versions": True}
     # Fresh connections: the kernel spreads them over both processes' accept queues.
     post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, timeout=60, **kw)  # noqa: E731
     results = [post("/v1/completions", json=body) for _ in range(12)]
-    assert all(r.status_code == 200 and len(r.json()["choices"][0]["weight_versions"]) == 4 for r in results)
+    assert all(r.status_code == 200 and len(r.json()["choices"][0]["token_weight_versions"]) == 4 for r in results)
     try:
         assert httpx.post(server.url + "/pause?mode=keep", headers=server.headers, timeout=30).status_code == 200
         seen = {

@@ -4,6 +4,7 @@ that the counters grew by exactly the tokens sent and the histograms by one obse
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -145,3 +146,63 @@ def test_observe_many_equals_repeated_observe() -> None:
         texts.append([line for line in generate_latest(registry).decode().splitlines() if "_created" not in line])
     assert texts[0] == texts[1]
     assert 'h_bucket{le="0.5"} 5.0' in texts[0] and "h_count 10.0" in texts[0] and "h_sum 9.1875" in texts[0]
+
+
+def _prime_rl_engine_load(text: str) -> dict[str, float]:
+    """/metrics as prime-rl 559b4477 reads it for its concurrency controller (src/prime_rl/orchestrator/
+    inference_metrics.py: parse_prometheus_text, build_load_sample), replayed: `vllm:` gauges summed over labels but
+    the waiting reasons, and the KV capacity from vllm:cache_config_info's labels."""
+    gauges: dict[str, float] = {}
+    cache_config: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:") or family.type not in ("counter", "gauge", "histogram"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created") or not math.isfinite(sample.value):
+                continue
+            if family.name == "vllm:cache_config_info":
+                cache_config.update(sample.labels)
+                continue
+            name = sample.name.removeprefix("vllm:")
+            if name == "num_requests_waiting_by_reason":
+                name = f"num_requests_waiting_reason_{sample.labels.get('reason', 'unknown')}"
+            if family.type == "gauge":
+                gauges[name] = gauges.get(name, 0.0) + sample.value
+    return {
+        "kv_capacity_tokens": int(cache_config["kv_cache_size_tokens"]),
+        "blocks_times_size": int(cache_config["num_gpu_blocks"]) * int(cache_config["block_size"]),
+        "waiting": gauges["num_requests_waiting"],
+        "waiting_capacity": gauges["num_requests_waiting_reason_capacity"],
+        "waiting_deferred": gauges["num_requests_waiting_reason_deferred"],
+    }
+
+
+def test_prime_rl_reads_the_capacity_queue(server: Server) -> None:
+    """Requests held by a keep-mode pause wait for capacity: vllm:num_requests_waiting_by_reason{reason="capacity"}
+    counts them, as prime-rl's controller reads it, and the reasons sum to vllm:num_requests_waiting."""
+
+    def load() -> dict[str, float]:
+        return _prime_rl_engine_load(httpx.get(server.url + "/metrics", timeout=30).text)
+
+    async def go() -> tuple[dict[str, float], list[httpx.Response]]:
+        async with server.async_client() as http:
+            assert (await http.post("/pause", params={"mode": "keep"})).status_code == 200
+            try:
+                body = {**BODY, "prompt": "queued behind a pause", "max_tokens": 4}
+                sent = [asyncio.ensure_future(http.post("/v1/completions", json=body)) for _ in range(3)]
+                for _ in range(200):  # bounded: the requests reach the engine's queue in well under 20 s
+                    seen = await asyncio.to_thread(load)
+                    if seen["waiting"] == 3:
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                assert (await http.post("/resume")).status_code == 200
+            return seen, await asyncio.gather(*sent)
+
+    idle = load()
+    assert idle["kv_capacity_tokens"] == idle["blocks_times_size"] > 0
+    assert idle["waiting"] == idle["waiting_capacity"] == idle["waiting_deferred"] == 0
+    paused, responses = asyncio.run(go())
+    assert paused["waiting"] == 3 and paused["waiting_capacity"] == 3 and paused["waiting_deferred"] == 0
+    assert all(r.status_code == 200 for r in responses)
+    assert load()["waiting_capacity"] == 0

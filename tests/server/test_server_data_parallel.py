@@ -204,6 +204,7 @@ def test_metrics_label_each_rank(dp_server: Server) -> None:
     generated = per_rank(dp_server, "vllm:generation_tokens_total")
     assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())  # PROMPTS spread over both
     assert set(per_rank(dp_server, "vllm:cache_config_info")) == {"0", "1"}
+    assert set(per_rank(dp_server, "vllm:num_requests_waiting_by_reason")) == {"0", "1"}
     assert per_rank(dp_server, "rlserve_dummy_steps_total") == {"0": 0, "1": 0}  # independent ranks never step idle
 
 

@@ -216,12 +216,17 @@ def test_cache_salt_separates_prefix_cache_hits(http: httpx.Client, route: str) 
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
 
 
-def test_weight_versions_spans_on_request(http: httpx.Client) -> None:
-    choice = complete(http, prompt="x", max_tokens=5)["choices"][0]
-    assert len(choice["weight_versions"]) == 5  # rlserve's: each token's version
-    version = choice["weight_versions"][0]
-    spans = complete(http, prompt="x", max_tokens=5, return_weight_versions=True)["choices"][0]["weight_versions"]
-    assert spans == [{"version": version, "start": 0, "end": 5}]  # vLLM's
+def test_weight_versions_only_on_request(http: httpx.Client) -> None:
+    """vLLM's spans with return_weight_versions, rlserve's per-token list with return_token_weight_versions, and
+    neither unasked (vLLM 0.33's default: its schema has no per-token strings)."""
+    unasked = complete(http, prompt="x", max_tokens=5)["choices"][0]
+    assert unasked["weight_versions"] is None and unasked["token_weight_versions"] is None
+    per_token = complete(http, prompt="x", max_tokens=5, return_token_weight_versions=True)["choices"][0]
+    assert per_token["weight_versions"] is None and len(per_token["token_weight_versions"]) == 5
+    version = per_token["token_weight_versions"][0]
+    spans = complete(http, prompt="x", max_tokens=5, return_weight_versions=True)["choices"][0]
+    assert spans["weight_versions"] == [{"version": version, "start": 0, "end": 5}]  # vLLM's
+    assert spans["token_weight_versions"] is None
     body = {"model": MODEL_NAME, "messages": USER, "max_tokens": 5, "return_weight_versions": True, "stream": True}
     with http.stream("POST", "/v1/chat/completions", json=body | GREEDY) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
@@ -393,9 +398,11 @@ FIELD_TESTS: dict[str, str] = {
     "add_special_tokens": "test_add_special_tokens",
     "request_id": "test_request_id_names_the_request_for_abort",
     "cache_salt": "test_cache_salt_separates_prefix_cache_hits",
-    "return_weight_versions": "test_weight_versions_spans_on_request",
+    "return_weight_versions": "test_weight_versions_only_on_request",
+    "return_token_weight_versions": "test_weight_versions_only_on_request",
     "add_generation_prompt": "test_sampling_fields_reach_the_engine",
     "continue_final_message": "test_continue_final_message_and_echo",
+    # chat's echo; completions' in test_server_vllm_routes.py::test_pipelinerl_scores_with_echo_and_max_tokens_0
     "echo": "test_continue_final_message_and_echo",
     "chat_template": "test_chat_template_kwargs_and_documents",
     "chat_template_kwargs": "test_chat_template_kwargs_and_documents",
@@ -429,7 +436,7 @@ def test_every_field_has_an_effect_or_is_refused(model: type) -> None:
         source = (TESTS / (file or Path(__file__).name)).read_text()
         assert f"def {function}(" in source, f"{name}: {test} does not exist"
     assert not unaccounted, f"fields neither tested for an effect nor refused: {unaccounted}"
-    # A declared field is implemented by its model (chat's echo and reasoning fields), or typed to its one accepted
+    # A declared field is implemented by its model (chat's reasoning fields), or typed to its one accepted
     # value: none of the refused ones is declared and then dropped.
     implemented = {n for n, info in model.model_fields.items() if not _is_single_literal(info.annotation)}
-    assert set(REFUSED_FIELDS) & implemented <= {"echo", "include_reasoning", "reasoning_effort"}
+    assert set(REFUSED_FIELDS) & implemented <= {"include_reasoning", "reasoning_effort"}

@@ -57,11 +57,12 @@ def test_one_broadcast_updates_every_replica(replica_servers: list[Server], tmp_
     assert all(compare_checksums(expected, c)["match"] for c in checksums)
     # Both serve the new weights: greedy outputs agree with each other.
     body = {"model": MODEL_NAME, "prompt": "replicas", "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+    body["return_token_weight_versions"] = True
     outs = []
     for server in replica_servers:
         with server.client() as http:
             choice = http.post("/v1/completions", json=body).json()["choices"][0]
-        assert choice["weight_versions"] == ["step-1"] * len(choice["token_ids"])
+        assert choice["token_weight_versions"] == ["step-1"] * len(choice["token_ids"])
         outs.append(choice["token_ids"])
     assert outs[0] == outs[1]
 

@@ -109,7 +109,8 @@ class RawStream:
     def __init__(self, server: Server, body: dict) -> None:
         url = httpx.URL(server.url)
         self.sock = socket.create_connection((url.host, url.port), timeout=STREAM_TIMEOUT_S)
-        payload = json.dumps({**body, "stream": True}).encode()
+        # Each token's weight version counts the tokens of every chunk (Stream's count), as read_stream asks for it.
+        payload = json.dumps({**body, "stream": True, "return_token_weight_versions": True}).encode()
         head = f"POST /v1/completions HTTP/1.0\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
         head += "".join(f"{k}: {v}\r\n" for k, v in server.headers.items())
         self.sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)

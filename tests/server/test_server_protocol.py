@@ -27,7 +27,8 @@ def sample_with_masked_tokens() -> CompletionOutput:
 
 
 def test_neg_inf_becomes_minus_9999_and_json_is_valid() -> None:
-    logprobs, end = completion_logprobs(sample_with_masked_tokens(), TokenFormatter(False), 10)
+    sample = sample_with_masked_tokens()
+    logprobs, end = completion_logprobs(sample.token_ids, sample.logprobs, TokenFormatter(False), 10, str)
     assert logprobs.token_logprobs == [-3.0, NEG_INF_LOGPROB]
     assert logprobs.top_logprobs[1] == {"b": 0.0, "zz": NEG_INF_LOGPROB}
     assert logprobs.text_offset == [10, 11] and end == 13

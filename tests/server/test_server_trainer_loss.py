@@ -188,8 +188,8 @@ def test_a_trainer_killed_mid_update_is_detected_and_a_new_one_restores_serving(
 
         _send_full_update(http, new_weights_dir, "step-2")
         assert http.get("/health").status_code == 200 and _incomplete_gauge(http) == 0.0
-        served = http.post("/v1/completions", json=COMPLETION)
-        assert served.status_code == 200 and served.json()["choices"][0]["weight_versions"] == ["step-2"] * 4
+        served = http.post("/v1/completions", json={**COMPLETION, "return_token_weight_versions": True})
+        assert served.status_code == 200 and served.json()["choices"][0]["token_weight_versions"] == ["step-2"] * 4
         assert http.post("/weight_checker", json={"action": "compare", "baseline": new_checksums}).json()["match"]
 
 

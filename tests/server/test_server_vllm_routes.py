@@ -5,12 +5,14 @@ costs seconds)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from conftest import _serve
 from safetensors.torch import load_file
@@ -64,8 +66,12 @@ def tokenize(http: httpx.Client, text: str) -> list[int]:
     return response.json()["tokens"]
 
 
-def generate(http: httpx.Client, token_ids: list[int], salt: str | None, **params) -> dict:
+def generate(
+    http: httpx.Client, token_ids: list[int], salt: str | None, return_token_weight_versions: bool = False, **params
+) -> dict:
     body = {"token_ids": token_ids, "sampling_params": {**GREEDY, "logprobs": 1, **params}, "model": MODEL_NAME}
+    if return_token_weight_versions:
+        body["return_token_weight_versions"] = True
     if salt is not None:
         body["cache_salt"] = salt
     response = http.post("/inference/v1/generate", json=body, headers={"X-Session-ID": "rollout-7"})
@@ -82,6 +88,13 @@ def test_prime_rl_generate_matches_completions_and_salts_separate_the_prefix_cac
     content = choice["logprobs"]["content"]
     assert [c["token_id"] for c in content] == choice["token_ids"]
     assert all(c["top_logprobs"][0]["token_id"] == c["token_id"] for c in content)  # the sampled token first
+    # vLLM <= 0.24's `token` beside 0.33's `token_id` (prime-rl's renderers client requires it), on every candidate.
+    assert all(t["token"] == f"token_id:{t['token_id']}" for c in content for t in [c, *c["top_logprobs"]])
+    # vLLM 0.33's generate route sends the spans on a finished choice unasked; rlserve's per-token list on request.
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": len(choice["token_ids"])}]
+    assert choice["token_weight_versions"] is None
+    per_token = generate(http, prompt, "policy-1", return_token_weight_versions=True)
+    assert per_token["choices"][0]["token_weight_versions"] == ["default"] * len(choice["token_ids"])
 
     completion = http.post(
         "/v1/completions",
@@ -110,6 +123,10 @@ def test_generate_streams_and_refuses_bad_fields(http: httpx.Client) -> None:
     chunks = [json.loads(line) for line in lines[:-1]]
     tokens = [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
     assert tokens == generate(http, prompt, None, logprobs=None)["choices"][0]["token_ids"]
+    # The spans cover the whole output, on the last chunk of the choice only (vLLM 0.33's stream).
+    spans = [choice["weight_versions"] for c in chunks for choice in c["choices"]]
+    assert spans[:-1] == [None] * (len(spans) - 1)
+    assert spans[-1] == [{"version": "default", "start": 0, "end": len(tokens)}]
     assert chunks[-1]["usage"]["completion_tokens"] == GREEDY["max_tokens"]
 
     url = "/inference/v1/generate"
@@ -133,6 +150,117 @@ def test_generate_streams_and_refuses_bad_fields(http: httpx.Client) -> None:
     assert_error(http.post(url, json={**good, "model": "other"}), 404, "model")
     assert http.post(url, content=b"{", headers={"content-type": "application/json"}).status_code == 400
     assert httpx.post(f"{http.base_url}{url}", json=good).status_code == 401  # the API key guards it
+
+
+def test_prime_rl_renderers_client_parses_generate(routes_server: Server, server_model_dir: Path) -> None:
+    """prime-rl's renderer client, run: `renderers.client.generate` of renderers 0.1.12 (the package index's; prime-rl
+    559b4477 requires renderers>=0.1.9) renders the chat, posts /inference/v1/generate and raises
+    MalformedGenerateResponseError unless each logprobs.content[i].token is the sampled "token_id:N" with a logprob."""
+    renderers_client = pytest.importorskip(
+        "renderers.client", reason="pip install --no-deps -r requirements-frameworks.txt"
+    )
+    from renderers import DefaultRendererConfig
+    from renderers.base import create_renderer
+    from transformers import AutoTokenizer
+
+    renderer = create_renderer(AutoTokenizer.from_pretrained(server_model_dir), DefaultRendererConfig())
+
+    async def go() -> dict:
+        client = openai.AsyncOpenAI(base_url=routes_server.url + "/v1", api_key=API_KEY, max_retries=0)
+        async with client:
+            return await renderers_client.generate(
+                client=client,
+                renderer=renderer,
+                messages=[{"role": "user", "content": "2+3="}],
+                model=MODEL_NAME,
+                sampling_params={"max_tokens": 6, "temperature": 0.0},
+            )
+
+    out = asyncio.run(go())
+    assert 0 < len(out["completion_ids"]) == len(out["completion_logprobs"]) <= 6
+    assert all(lp <= 0.0 for lp in out["completion_logprobs"]) and out["finish_reason"] in ("stop", "length")
+
+
+def test_generate_takes_skyrl_and_prime_rl_sampling_fields(http: httpx.Client) -> None:
+    """SkyRL's Tinker `sample()` sends `output_kind: 2` (skyrl 0.3.0, remote_inference_client.py); prime-rl's top-k
+    head `flat_logprobs` and `extra_args`. Their effects as in vLLM 0.33: outputs are delivered as `stream` says (so a
+    kind that says otherwise is refused by name), `flat_logprobs` changes nothing on the wire, `extra_args` travels
+    with the request (vLLM's checks; the disaggregation keys vLLM's connectors read are refused)."""
+    prompt = tokenize(http, "sample me")
+    plain = generate(http, prompt, None)["choices"]
+    assert generate(http, prompt, None, output_kind=2)["choices"] == plain
+    assert generate(http, prompt, None, output_kind=0)["choices"] == plain
+    assert (
+        generate(http, prompt, None, flat_logprobs=True, extra_args={"top_k": 5, "big": 2**64 - 1})["choices"] == plain
+    )
+    url = "/inference/v1/generate"
+    good = {"token_ids": prompt, "sampling_params": GREEDY}
+    streamed = {**good, "stream": True, "sampling_params": {**GREEDY, "output_kind": 1}}
+    with http.stream("POST", url, json=streamed) as response:
+        assert response.status_code == 200 and response.read().endswith(b"data: [DONE]\n\n")
+    for bad, stream in (({"output_kind": 1}, False), ({"output_kind": 7}, False), ({"output_kind": 2}, True)):
+        body = {**good, "stream": stream, "sampling_params": {**GREEDY, **bad}}
+        assert_error(http.post(url, json=body), 400, "sampling_params.output_kind")
+    for bad in (
+        {"flat_logprobs": "yes"},
+        {"extra_args": [1]},
+        {"extra_args": {"n": 2**64}},
+        {"extra_args": {"kv_transfer_params": {}}},
+    ):
+        param = f"sampling_params.{next(iter(bad))}"
+        assert_error(http.post(url, json={**good, "sampling_params": {**GREEDY, **bad}}), 400, param)
+
+
+def test_pipelinerl_scores_with_echo_and_max_tokens_0(http: httpx.Client) -> None:
+    """PipelineRL 58d39345's preprocessor (pipelinerl/llm.py, get_logprobs_token_ids and get_logprobs_complete):
+    /v1/completions with `echo`, `max_tokens: 0` and `logprobs`, read back as it reads them: the last prompt_logprobs
+    entries (the completion's tokens), or logprobs.tokens sliced at the tokenized prompt's lengths. vLLM's echo: the
+    choice is the prompt, scored (its first token unscored), the one sampled token left out but counted."""
+    prompt, completion = tokenize(http, "score this prompt"), tokenize(http, " and its completion")
+    body = {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 0, "logprobs": 0, "echo": True}
+    body |= {"include_stop_str_in_output": True, "skip_special_tokens": False, "n": 1, "stream": False}
+    response = http.post("/v1/completions", json={**body, "prompt": prompt + completion})
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    scored = [
+        {**v, "generated": 0, "token_id": k}
+        for lp in choice["prompt_logprobs"][-len(completion) :]
+        if lp
+        for k, v in lp.items()
+    ]
+    assert [int(entry["token_id"]) for entry in scored] == completion  # prompt_logprobs 0: each actual token
+    reference = {"model": MODEL_NAME, "prompt": prompt + completion, "max_tokens": 1, "prompt_logprobs": 0}
+    assert (
+        http.post("/v1/completions", json=reference).json()["choices"][0]["prompt_logprobs"]
+        == choice["prompt_logprobs"]
+    )
+    assert choice["text"] == http.post("/detokenize", json={"tokens": prompt + completion}).json()["prompt"]
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    actual = [next(iter(entry.values()))["logprob"] for entry in choice["prompt_logprobs"][1:]]
+    assert logprobs["token_logprobs"][1:] == actual and len(logprobs["tokens"]) == len(prompt + completion)
+    assert response.json()["usage"]["completion_tokens"] == 1 and choice["finish_reason"] == "length"
+
+    text_prompt, output = "score this prompt", " and its completion"
+    response = http.post("/v1/completions", json={**body, "prompt": text_prompt + output, "logprobs": 1})
+    (choice,) = response.json()["choices"]
+    prompt_len = len(tokenize(http, text_prompt))
+    tokens = choice["logprobs"]["tokens"][prompt_len : len(tokenize(http, text_prompt + output))]
+    assert "".join(tokens) == output and choice["text"] == text_prompt + output
+
+    # With generation the echoed prompt comes first, in one response or in a stream's first chunk.
+    gen = {"model": MODEL_NAME, "prompt": prompt, "logprobs": 0, **GREEDY, "max_tokens": 4}
+    plain = http.post("/v1/completions", json=gen).json()["choices"][0]
+    echoed = http.post("/v1/completions", json={**gen, "echo": True}).json()["choices"][0]
+    prompt_text = http.post("/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert echoed["text"] == prompt_text + plain["text"]
+    # The same tokens' logprobs, up to the float noise of another batch shape (the prompt is scored too).
+    sampled = echoed["logprobs"]["token_logprobs"][len(prompt) :]
+    assert sampled == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-4)
+    with http.stream("POST", "/v1/completions", json={**gen, "echo": True, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["text"]
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(prompt) + 4
 
 
 def test_skyrl_tokenize_detokenize_and_render(http: httpx.Client) -> None:
@@ -169,6 +297,7 @@ def test_facts_routes(routes_server: Server, http: httpx.Client) -> None:
     assert http.get("/load").json() == {"server_load": 0}
     info = http.get("/server_info", params={"config_format": "json"}).json()
     assert set(info) == {"vllm_config", "vllm_env", "system_env"} and isinstance(info["vllm_config"], dict)
+    assert info["vllm_config"]["model_config"]["dtype"].startswith("torch.")  # vLLM's nesting (TRL reads it)
     assert isinstance(http.get("/server_info").json()["vllm_config"], str)
     assert_error(http.get("/server_info", params={"config_format": "yaml"}), 400, "query.config_format")
     assert httpx.get(routes_server.url + "/server_info").status_code == 401

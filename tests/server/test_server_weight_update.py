@@ -106,8 +106,9 @@ def test_weight_update_with_requests_in_flight(
         compared = http.post("/weight_checker", json={"action": "compare", "baseline": before}).json()
         assert not compared["match"] and compared["mismatches"]
         body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-        served = http.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
-        assert served["weight_versions"] == [NEW_VERSION] * 16
+        asked = {**body, "return_token_ids": True, "return_token_weight_versions": True}
+        served = http.post("/v1/completions", json=asked).json()["choices"][0]
+        assert served["token_weight_versions"] == [NEW_VERSION] * 16
 
     # The RL histograms saw the sequence: one update (start -> finish), one standstill (pause -> resume), each route.
     with server.client() as http:
