@@ -30,8 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from attention_kernels import kernels, make_batch
-from throughput import W1_ENGINE, run_engine, workloads
 from transformers import AutoConfig
+from workloads import W1_ENGINE, run_engine, workloads
 
 from rlserve.model.models.llama import spec_from_hf_config
 from rlserve.model.sampler import Sampler, SamplingMetadata

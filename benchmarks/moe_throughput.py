@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 from roofline import Step, instrument, measure_ceilings
-from throughput import W1_ENGINE, hf_generate_tok_s, run_engine, workloads
+from throughput import hf_generate_tok_s
 from transformers import AutoConfig
+from workloads import W1_ENGINE, run_engine, workloads
 
 from rlserve import LLM
 from rlserve.engine.args import add_engine_arguments, engine_kwargs

@@ -18,7 +18,7 @@ import tempfile
 import time
 
 import torch
-from throughput import W1_ENGINE, workloads
+from workloads import W1_ENGINE, workloads
 
 from rlserve import LLM, LoRARequest
 from rlserve.engine.core_proc import multiprocessing_enabled

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from workloads import W1_ENGINE, workloads
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,6 @@ def replay_schedules(names: Sequence[str]) -> dict[str, tuple[list[Step], int]]:
     KV-cache size: the scheduler makes the decisions it makes there (lengths are fixed: EOS ignored; its decisions
     never read the model's outputs)."""
     import os
-
-    from throughput import W1_ENGINE, workloads
 
     from rlserve import LLM
     from rlserve.toy import make_model_dir
