@@ -1,6 +1,6 @@
 """W1 through the public `LLM.generate`, timed from the caller: with the engine core in its own process (the default)
 or in this one (`RLSERVE_ENABLE_MULTIPROCESSING=0`), so the two can be compared in one run. throughput.py, which
-instruments the runner for its roofline, runs the core in process; this measures what a user of `LLM` gets.
+reads the runner for its roofline, runs the core in process; this measures what a user of `LLM` gets.
 
     python benchmarks/offline_generate.py --device cuda --preset qwen3-0.6b-shape [--lora-rank 16]
 
