@@ -3,6 +3,13 @@ or in this one (`RLSERVE_ENABLE_MULTIPROCESSING=0`), so the two can be compared 
 reads the runner for its roofline, runs the core in process; this measures what a user of `LLM` gets.
 
     python benchmarks/offline_generate.py --device cuda --preset qwen3-0.6b-shape [--lora-rank 16]
+    python benchmarks/offline_generate.py --device cuda --engines tuned,defaults,batch-invariant --rounds 3
+
+--engines: the engine set-ups to compare, in one run: `tuned` (W1's settings, benchmarks/workloads.py W1_ENGINE),
+`defaults` (`LLM(model)` with nothing but the device and dtype: what a user gets), `batch-invariant` (tuned, in
+batch-invariant mode). --rounds R starts every set-up's engine R times, the set-ups alternating round by round (so
+that a drift of the machine spreads over all of them), each engine one untimed warm-up run and --repeats timed runs.
+Reported per set-up: the median of its timed runs, their range and count, and its ratio to the first set-up's.
 
 --lora-rank R runs every request under one random rank-R adapter of every projection (enable_lora, one slot): the
 cost of serving a LoRA policy against the base model's W1 in another run.
@@ -24,34 +31,20 @@ from rlserve import LLM, LoRARequest
 from rlserve.engine.core_proc import multiprocessing_enabled
 from rlserve.toy import make_lora_dir, make_model_dir
 
+ENGINES = {"tuned": W1_ENGINE, "defaults": {}, "batch-invariant": {**W1_ENGINE, "batch_invariant": True}}
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", default=None, help="a model directory (default: build --preset)")
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--scale", type=float, default=1.0, help="fraction of W1's 1,024 prompts")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs after one untimed warm-up")
-    ap.add_argument("--lora-rank", type=int, default=0, help="every request under one adapter of this rank (0: none)")
-    args = ap.parse_args()
-    logging.basicConfig(format="%(message)s")
-    logging.getLogger("rlserve.engine.core_proc").setLevel(logging.INFO)  # the core's start-up time, by phase
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    model = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
-    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+
+def time_engine(
+    model: str, engine: dict, args, dtype: str, lora: tuple[dict, LoRARequest | None], prompts, params
+) -> list[float]:
+    """Start an engine, run W1 once untimed and --repeats times timed; its timed runs' output tok/s."""
+    lora_engine, lora_request = lora
     t0 = time.perf_counter()
-    lora_engine, lora_request = {}, None
-    if args.lora_rank:
-        adapter = make_lora_dir(tempfile.mkdtemp(), model, rank=args.lora_rank, std=0.01)
-        lora_engine = dict(enable_lora=True, max_loras=1, max_lora_rank=args.lora_rank)
-        lora_request = LoRARequest("policy", 1, str(adapter))
-    llm = LLM(model, device=args.device, dtype=dtype, **W1_ENGINE, **lora_engine)
+    llm = LLM(model, device=args.device, dtype=dtype, **engine, **lora_engine)
     mode = "own process" if multiprocessing_enabled() else "in process"
     if lora_request is not None:
         mode += f", every request under a rank-{args.lora_rank} adapter"
-    print(f"engine start {time.perf_counter() - t0:.1f} s (core {mode})", flush=True)
-    prompts, params = workloads("W1", vocab, args.scale, seed=0)
+    print(f"engine start {time.perf_counter() - t0:.1f} s (core {mode}; {json.dumps(engine)})", flush=True)
     rates = []
     for i in range(args.repeats + 1):
         llm.reset_prefix_cache()
@@ -62,7 +55,53 @@ def main() -> None:
         print(f"run {i} ({'untimed warm-up' if i == 0 else 'timed'}): {tokens / dt:,.0f} tok/s", flush=True)
         rates.append(tokens / dt)
     llm.shutdown()
-    print(f"W1 LLM.generate, core {mode}: {statistics.median(rates[1:]):,.0f} output tok/s (median of {args.repeats})")
+    return rates[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=None, help="a model directory (default: build --preset)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of W1's 1,024 prompts")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per engine after one untimed warm-up")
+    ap.add_argument("--engines", default="tuned", help=f"comma list of {', '.join(ENGINES)} (see above)")
+    ap.add_argument("--rounds", type=int, default=1, help="engines started per set-up, alternating (see above)")
+    ap.add_argument("--lora-rank", type=int, default=0, help="every request under one adapter of this rank (0: none)")
+    ap.add_argument("--out", default=None, help="write every set-up's timed runs as JSON here")
+    args = ap.parse_args()
+    names = args.engines.split(",")
+    unknown = [name for name in names if name not in ENGINES]
+    if unknown or len(set(names)) < len(names):
+        raise SystemExit(f"--engines {args.engines}: each of {', '.join(ENGINES)} at most once (unknown: {unknown})")
+    logging.basicConfig(format="%(message)s")
+    for name in ("rlserve.engine.core_proc", "rlserve.engine.device_defaults"):  # start-up phases; batch limits
+        logging.getLogger(name).setLevel(logging.INFO)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    model = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
+    lora: tuple[dict, LoRARequest | None] = ({}, None)
+    if args.lora_rank:
+        adapter = make_lora_dir(tempfile.mkdtemp(), model, rank=args.lora_rank, std=0.01)
+        lora = dict(enable_lora=True, max_loras=1, max_lora_rank=args.lora_rank), LoRARequest("policy", 1, str(adapter))
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    prompts, params = workloads("W1", vocab, args.scale, seed=0)
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names:
+            print(f"== round {round_index + 1}/{args.rounds}: {name}", flush=True)
+            runs[name] += time_engine(model, ENGINES[name], args, dtype, lora, prompts, params)
+    mode = "own process" if multiprocessing_enabled() else "in process"
+    first = statistics.median(runs[names[0]])
+    for name in names:
+        median = statistics.median(runs[name])
+        print(
+            f"W1 LLM.generate, {name}, core {mode}: {median:,.0f} output tok/s (median of {len(runs[name])}, "
+            f"{min(runs[name]):,.0f}-{max(runs[name]):,.0f}; {median / first:.3f}x {names[0]})"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({name: dict(engine=ENGINES[name], tok_s=runs[name]) for name in names}, f, indent=1)
 
 
 if __name__ == "__main__":
