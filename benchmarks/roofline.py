@@ -213,7 +213,7 @@ RECORDED_MATMUL_FLOPS = 779.5e12
 H200_KV_BLOCKS = 72_239  # the engine's KV cache on the H200 (gpu_memory_utilization 0.9), block size 16
 
 
-def replay_schedules(names: Sequence[str]) -> dict[str, tuple[list[Step], int]]:
+def replay_schedules(names: Sequence[str], scale: float = 1.0) -> dict[str, tuple[list[Step], int]]:
     """Run each workload once on the CPU with a tiny model, its forward stubbed, and the H200's engine settings and
     KV-cache size: the scheduler makes the decisions it makes there (lengths are fixed: EOS ignored; its decisions
     never read the model's outputs)."""
@@ -233,7 +233,7 @@ def replay_schedules(names: Sequence[str]) -> dict[str, tuple[list[Step], int]]:
     vocab = runner.spec.vocab_size
     schedules = {}
     for name in names:
-        prompts, params = workloads(name, vocab, 1.0, seed=0)
+        prompts, params = workloads(name, vocab, scale, seed=0)
         schedules[name] = schedule_of(llm, prompts, params)
     llm.shutdown()
     return schedules
@@ -274,6 +274,13 @@ def restate(schedules: dict[str, tuple[list[Step], int]], cost: ModelCost) -> li
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default="W1,W2,W3")
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="fraction of each workload's prompts (a quick check); below 1 the recorded figures, of full-size runs, "
+        "are not restated",
+    )
     args = ap.parse_args()
     from transformers import AutoConfig
 
@@ -285,13 +292,15 @@ def main() -> int:
     model = build_model(config, torch.bfloat16, torch.device("cpu"))
     cost = model_cost(model, model.spec, torch.bfloat16)
     del model
-    schedules = replay_schedules(args.workloads.split(","))
+    schedules = replay_schedules(args.workloads.split(","), args.scale)
     for name, (steps, _) in schedules.items():
         print(
             f"{name}: {len(steps)} steps, {sum(s.new_tokens for s in steps):,} tokens computed, "
             f"KV tokens per step {sum(s.kv_tokens for s in steps) / len(steps):,.0f} distinct vs "
             f"{sum(s.context_tokens for s in steps) / len(steps):,.0f} summed over sequences"
         )
+    if args.scale != 1.0:
+        return 0
     print(
         f"\n{'run':<26} {'steps':>6} {'TB/s':>6} {'tok/s':>8} {'old roof':>9} {'replayed':>9} {'of old':>7} "
         f"{'roofline':>9} {'of it':>6}"
