@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (<= 9 min) for issue 33's offline figures, medians of 3 runs in one call, model qwen3-0.6b-shape in
 # bf16 (random weights, built once here and shared by the parts):
+#   gpu_tests      tests/gpu/test_device_defaults_gpu.py: the batch limits an engine gets on this GPU (skipped on CPU).
 #   w1_engines     W1 through `LLM.generate` (benchmarks/offline_generate.py), three engine set-ups alternating for 3
 #                  rounds (an engine started per set-up and round, one warm-up and one timed run each): W1's tuned
 #                  settings, `LLM(model)` defaults (the batch limits the device chooses), batch-invariant (tuned).
@@ -50,6 +51,7 @@ if [ -f "$MODEL/config.json" ] || part model 150 python3 -c "import torch; from 
 print(make_model_dir('$MODEL', preset='$PRESET', dtype=torch.$DTYPE))"; then
   MODEL_ARGS=(--model-dir "$MODEL")
 fi
+part gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_device_defaults_gpu.py
 part w1_engines 330 python3 benchmarks/offline_generate.py --device "$DEVICE" --dtype "$DTYPE" "${MODEL_ARGS[@]}" \
   --scale "$W1_SCALE" --engines tuned,defaults,batch-invariant --rounds "$ROUNDS" --repeats 1 --out "$LOGS/w1_engines.json"
 part w1_recording 150 python3 benchmarks/throughput.py --device "$DEVICE" --dtype "$DTYPE" "${MODEL_ARGS[@]}" \
@@ -64,7 +66,8 @@ done
   echo "==== gpu_session.sh on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || echo "no GPU"):" \
     "$DEVICE $PRESET $DTYPE, $((SECONDS - T0)) s in all"
   grep -h "^torch\|^commit" "$LOGS/gpu.txt"
-  grep -h "batch limits for" "$LOGS/w1_engines.log" 2>/dev/null | sort -u
+  tail -n 1 "$LOGS/gpu_tests.log" 2>/dev/null | sed "s/^/gpu_tests: /"
+  grep -h "batch limits for" "$LOGS/w1_engines.log" 2>/dev/null | sed "s/^.*device_defaults: //" | sort -u
   python3 benchmarks/session_table.py "$LOGS" 2>&1
   echo "exit codes (124: hit its limit; 98/99: skipped):"
   cat "$SUM"

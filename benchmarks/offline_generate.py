@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ from workloads import W1_ENGINE, workloads
 
 from rlserve import LLM, LoRARequest
 from rlserve.engine.core_proc import multiprocessing_enabled
+from rlserve.log import configure_logging
 from rlserve.toy import make_lora_dir, make_model_dir
 
 ENGINES = {"tuned": W1_ENGINE, "defaults": {}, "batch-invariant": {**W1_ENGINE, "batch_invariant": True}}
@@ -75,9 +75,8 @@ def main() -> None:
     unknown = [name for name in names if name not in ENGINES]
     if unknown or len(set(names)) < len(names):
         raise SystemExit(f"--engines {args.engines}: each of {', '.join(ENGINES)} at most once (unknown: {unknown})")
-    logging.basicConfig(format="%(message)s")
-    for name in ("rlserve.engine.core_proc", "rlserve.engine.device_defaults"):  # start-up phases; batch limits
-        logging.getLogger(name).setLevel(logging.INFO)
+    # rlserve's info logs, in the core's process too: its start-up by phase, the batch limits chosen for the device.
+    configure_logging("info")
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     model = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=getattr(torch, dtype)))
     lora: tuple[dict, LoRARequest | None] = ({}, None)
