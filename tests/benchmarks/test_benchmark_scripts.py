@@ -248,8 +248,23 @@ def test_gpu_session_runs_in_cpu_smoke_mode(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     exits = [line.split() for line in summary.splitlines() if re.match(r"\s+exit \d+ after", line)]
-    assert len(exits) == 4 and all(words[1] == "0" for words in exits), summary  # model, w1 x2, w4
+    # model, gpu_tests (skipped on the CPU: pytest exits 0), w1_engines, w1_recording, w4_ipc_1
+    assert len(exits) == 5 and all(words[1] == "0" for words in exits), summary
     for row in ("W1 LLM.generate, tuned:", "W1 LLM.generate, defaults:", "W1 LLM.generate, batch-invariant:",
-                "W1 recording inside the step / not:", "W4 packed 4 MiB"):  # fmt: skip
+                "W1 recording inside the step / not:", "W4 packed 4 MiB", "batch limits for the CPU"):  # fmt: skip
         assert row in summary, summary
     assert (out / "gpu_session_logs.tgz").exists()
+
+
+def test_weight_sync_ipc_table_prints_its_copy_ceiling(monkeypatch, capsys):
+    """--backend ipc needs CUDA to measure; its table (which read nccl's raw-broadcast key and crashed after the
+    measurement) prints from an ipc run's info: the device-copy ceiling, no raw broadcast."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from weight_sync import Row, print_table
+
+    info = dict(backend="ipc", model="qwen3-0.6b-shape", tensors=310, model_gb=1.192, device="cuda:0", torch="2.11")
+    info |= dict(intra_op_threads=16, copy_bw_gbps=4100.0, copy_floor_s=0.00058, per_tensor_s=0.0034)
+    print_table([Row("ipc", "packed", 1024.0, None, 0.0117, 101.9, 0.05)], info)
+    out = capsys.readouterr().out
+    assert "device copy 4100 GB/s" in out and "raw broadcast" not in out
+    assert "0.0117" in out
