@@ -5,11 +5,12 @@
 #   w1_engines     W1 through `LLM.generate` (benchmarks/offline_generate.py), three engine set-ups alternating for 3
 #                  rounds (an engine started per set-up and round, one warm-up and one timed run each): W1's tuned
 #                  settings, `LLM(model)` defaults (the batch limits the device chooses), batch-invariant (tuned).
-#   w1_recording   W1 in throughput.py with the roofline's schedule recorded after the timed runs and inside them
-#                  (W1,W1/inline, alternating, 3 runs each): what recording inside the step costs.
 #   w4_ipc_1..3    W4 over ipc, a packed 1 GiB buffer (and the unpacked row), benchmarks/weight_sync.py, 3 runs.
+#   w1_recording   W1 in throughput.py with the roofline's schedule recorded after the timed runs and inside them
+#                  (W1,W1/inline, alternating, 3 runs each): what recording inside the step costs. Last: what the
+#                  budget leaves it (its runs print as they end).
 # The table (benchmarks/session_table.py) prints last. Each part has its own time limit and none runs past BUDGET_S
-# (default 510) from the start; SKIP="w1_engines ..." skips parts by name. Logs go to /tmp/gpu_session (LOGS) and come
+# (default 530) from the start; SKIP="w1_engines ..." skips parts by name. Logs go to /tmp/gpu_session (LOGS) and come
 # back as $OUT/gpu_session_logs.tgz, re-packed after every part; $OUT/summary.txt holds the table and exit codes.
 # The engine core's pyzmq and msgspec (and the server's packages) travel as wheels when the image lacks them:
 #   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
@@ -21,7 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}
 LOGS=${LOGS:-/tmp/gpu_session}
 ARCHIVE=gpu_session_logs.tgz
-BUDGET_S=${BUDGET_S:-510}
+BUDGET_S=${BUDGET_S:-530}
 SKIP=${SKIP:-}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
@@ -29,7 +30,7 @@ PRESET=${PRESET:-qwen3-0.6b-shape}
 W1_SCALE=${W1_SCALE:-1}
 ROUNDS=${ROUNDS:-3}
 W4_RUNS=${W4_RUNS:-3}
-W4_ARGS=${W4_ARGS:---backend ipc --buffer-mib 1024 --updates 50}
+W4_ARGS=${W4_ARGS:---backend ipc --buffer-mib 1024 --updates 30}
 T0=$SECONDS
 mkdir -p "$OUT" "$LOGS"
 SUM=$LOGS/summary.txt
@@ -54,12 +55,12 @@ fi
 part gpu_tests 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_device_defaults_gpu.py
 part w1_engines 330 python3 benchmarks/offline_generate.py --device "$DEVICE" --dtype "$DTYPE" "${MODEL_ARGS[@]}" \
   --scale "$W1_SCALE" --engines tuned,defaults,batch-invariant --rounds "$ROUNDS" --repeats 1 --out "$LOGS/w1_engines.json"
-part w1_recording 150 python3 benchmarks/throughput.py --device "$DEVICE" --dtype "$DTYPE" "${MODEL_ARGS[@]}" \
-  --scale "$W1_SCALE" --workloads W1,W1/inline --repeats "$ROUNDS" --hf none --out "$LOGS/w1_recording.json"
 read -r -a W4 <<<"$W4_ARGS"
 for i in $(seq "$W4_RUNS"); do
   part "w4_ipc_$i" 60 python3 benchmarks/weight_sync.py "${W4[@]}" --out "$LOGS/w4_ipc_$i.json"
 done
+part w1_recording 150 python3 benchmarks/throughput.py --device "$DEVICE" --dtype "$DTYPE" "${MODEL_ARGS[@]}" \
+  --scale "$W1_SCALE" --workloads W1,W1/inline --repeats "$ROUNDS" --hf none --out "$LOGS/w1_recording.json"
 
 {
   echo

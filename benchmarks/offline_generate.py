@@ -90,6 +90,9 @@ def main() -> None:
         for name in names:
             print(f"== round {round_index + 1}/{args.rounds}: {name}", flush=True)
             runs[name] += time_engine(model, ENGINES[name], args, dtype, lora, prompts, params)
+            if args.out:  # after every engine, so that a run cut off by a time limit leaves what it measured
+                with open(args.out, "w") as f:
+                    json.dump({n: dict(engine=ENGINES[n], tok_s=runs[n]) for n in names if runs[n]}, f, indent=1)
     mode = "own process" if multiprocessing_enabled() else "in process"
     first = statistics.median(runs[names[0]])
     for name in names:
@@ -98,9 +101,6 @@ def main() -> None:
             f"W1 LLM.generate, {name}, core {mode}: {median:,.0f} output tok/s (median of {len(runs[name])}, "
             f"{min(runs[name]):,.0f}-{max(runs[name]):,.0f}; {median / first:.3f}x {names[0]})"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({name: dict(engine=ENGINES[name], tok_s=runs[name]) for name in names}, f, indent=1)
 
 
 if __name__ == "__main__":
