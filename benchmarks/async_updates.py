@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import W1_ENGINE, workloads  # noqa: E402  (the benchmarks share W1's definition)
+from workloads import W1_ENGINE, workloads  # noqa: E402  (the benchmarks share W1's definition)
 
 from rlserve import RequestOutputKind, WeightTransferConfig  # noqa: E402
 from rlserve.engine.args import add_engine_arguments, engine_kwargs  # noqa: E402

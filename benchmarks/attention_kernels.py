@@ -23,11 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-from triton.testing import do_bench
-
-from rlserve.model.kernels import paged_attention as paged_attention_kernels
-from rlserve.model.kernels.paged_attention import paged_attention, paged_decode_attention, store_kv_cache
 
 PEAK_BYTES_PER_S = 4.2e12  # H200 HBM3e, about what a device-to-device copy reaches
 PEAK_BF16_FLOPS = 790e12  # dense bf16 matmul measured on an H200
@@ -54,6 +49,18 @@ class PagedBatch:
         return max(self.q_lens)
 
 
+@functools.cache
+def kernels():
+    """rlserve's Triton kernels, imported on first use: the script answers --help where Triton is missing (CPU CI)."""
+    from rlserve.model.kernels import paged_attention
+
+    return paged_attention
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def make_batch(
     lens: list[tuple[int, int]],
     *,
@@ -67,7 +74,7 @@ def make_batch(
     """Random caches and a shuffled block table for (q_len, seq_len) per sequence; the step's k/v are not stored."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     num_tokens = sum(q for q, _ in lens)
-    blocks_needed = [triton.cdiv(s, block_size) for _, s in lens]
+    blocks_needed = [ceil_div(s, block_size) for _, s in lens]
     num_blocks = sum(blocks_needed) + 8
     perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
     block_tables = torch.full((len(lens), max(blocks_needed) + 1), -1, dtype=torch.int32, device="cuda")
@@ -107,7 +114,7 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
         for lo in range(0, len(batch.q_lens), 64):
             hi = min(lo + 64, len(batch.q_lens))
             length = max(batch.ctx_lens[lo:hi])
-            ids = batch.block_tables[lo:hi, : triton.cdiv(length, block_size)].clamp_min(0).long()
+            ids = batch.block_tables[lo:hi, : ceil_div(length, block_size)].clamp_min(0).long()
             keys = batch.k_cache[ids].flatten(1, 2)[:, :length].double()  # [b, L, Hkv, D]
             values = batch.v_cache[ids].flatten(1, 2)[:, :length].double()
             query = batch.q[lo:hi].double().view(hi - lo, num_kv_heads, group, head_dim)
@@ -119,7 +126,7 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
         return out
     row = 0
     for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.ctx_lens, strict=True)):
-        ids = batch.block_tables[b, : triton.cdiv(seq_len, block_size)].long()
+        ids = batch.block_tables[b, : ceil_div(seq_len, block_size)].long()
         keys = batch.k_cache[ids].flatten(0, 1)[:seq_len].double().repeat_interleave(group, dim=1)
         values = batch.v_cache[ids].flatten(0, 1)[:seq_len].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", batch.q[row : row + q_len].double(), keys) * scale
@@ -137,6 +144,8 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench(fn: Callable[[], object], rep: int = 200) -> float:
+    from triton.testing import do_bench
+
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
@@ -182,16 +191,16 @@ def run_decode(name: str, batch_size: int, lo: int, hi: int, rows: list[Row]) ->
     out = torch.empty_like(batch.q)
 
     def decode() -> None:
-        paged_decode_attention(
+        kernels().paged_decode_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, out=out, max_seq_len=hi
         )
 
     def varlen() -> None:
-        paged_attention(
+        kernels().paged_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, scale, 1, out
         )
 
-    splits = paged_attention_kernels._decode_num_splits(batch_size, HKV, hi, batch.q.device)
+    splits = kernels()._decode_num_splits(batch_size, HKV, hi, batch.q.device)
     for label, fn in ((f"decode kernel (splits={splits})", decode), ("paged_attention (varlen)", varlen)):
         out.fill_(float("nan"))
         fn()
@@ -200,7 +209,7 @@ def run_decode(name: str, batch_size: int, lo: int, hi: int, rows: list[Row]) ->
         rows.append(Row(name, label, ms, err, gbps=nbytes / ms / 1e6))
 
     # Baseline: SDPA over contiguous K/V padded to the longest context.
-    idx = batch.block_tables[:, : triton.cdiv(hi, BLOCK_SIZE)].clamp_min(0).long()
+    idx = batch.block_tables[:, : ceil_div(hi, BLOCK_SIZE)].clamp_min(0).long()
     keys = batch.k_cache[idx].flatten(1, 2)[:, :hi].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
     values = batch.v_cache[idx].flatten(1, 2)[:, :hi].transpose(1, 2).contiguous()
     query = batch.q.unsqueeze(2).contiguous()  # [B, Hq, 1, D]
@@ -217,7 +226,7 @@ def run_prefill(name: str, lens: list[tuple[int, int]], rows: list[Row]) -> None
     out = torch.empty_like(batch.q)
 
     def varlen() -> None:
-        paged_attention(
+        kernels().paged_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, scale,
             batch.max_seqlen_q, out,
         )  # fmt: skip
@@ -231,7 +240,7 @@ def run_prefill(name: str, lens: list[tuple[int, int]], rows: list[Row]) -> None
     # Baseline: SDPA per uniform batch on contiguous copies (only when all sequences have the same shape).
     if len(set(lens)) == 1:
         q_len, seq_len = lens[0]
-        ids = batch.block_tables[:, : triton.cdiv(seq_len, BLOCK_SIZE)].long()
+        ids = batch.block_tables[:, : ceil_div(seq_len, BLOCK_SIZE)].long()
         keys = batch.k_cache[ids].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
         values = batch.v_cache[ids].flatten(1, 2)[:, :seq_len].transpose(1, 2).contiguous()
         query = batch.q.view(len(lens), q_len, HQ, HEAD_DIM).transpose(1, 2).contiguous()
@@ -251,10 +260,10 @@ def run_prefill(name: str, lens: list[tuple[int, int]], rows: list[Row]) -> None
 def run_store(num_tokens: int, rows: list[Row]) -> None:
     batch = make_batch([(num_tokens, num_tokens)], seed=7)
     k_cache, v_cache = batch.k_cache, batch.v_cache
-    store_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slots)
+    kernels().store_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slots)
     flat_k = k_cache.view(-1, HKV, HEAD_DIM)
     err = 0.0 if torch.equal(flat_k[batch.slots], batch.k_new) else float("nan")
-    ms = bench(lambda: store_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slots))
+    ms = bench(lambda: kernels().store_kv_cache(batch.k_new, batch.v_new, k_cache, v_cache, batch.slots))
     nbytes = 4 * batch.k_new.numel() * batch.k_new.element_size()  # k and v, each read once and written once
     rows.append(Row(f"store_kv T={num_tokens}", "store_kv_cache", ms, err, gbps=nbytes / ms / 1e6))
 
@@ -280,8 +289,8 @@ def run_cuda_graph(rows: list[Row]) -> None:
         batch.ctx_lens = batch.seq_lens.tolist()
 
     def step() -> None:
-        store_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slots)
-        paged_decode_attention(
+        kernels().store_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slots)
+        kernels().paged_decode_attention(
             batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, out, None, max_seq_len
         )
 
@@ -330,19 +339,19 @@ def check_shapes(quick: bool) -> list[str]:
         batch = make_batch(lens, dtype=dtype, seed=1, **shape)
         expected_k = batch.k_cache.clone()
         expected_k.view(-1, num_kv_heads, head_dim)[batch.slots] = batch.k_new
-        store_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slots.int())
+        kernels().store_kv_cache(batch.k_new, batch.v_new, batch.k_cache, batch.v_cache, batch.slots.int())
         if not torch.equal(batch.k_cache, expected_k):
             failures.append(f"store_kv_cache {tag}")
         out = torch.full_like(batch.q, float("nan"))
         args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, 0.1)
-        paged_attention(*args, batch.max_seqlen_q, out)
+        kernels().paged_attention(*args, batch.max_seqlen_q, out)
         if not rel_error(out, reference(batch, 0.1)) < tol:
             failures.append(f"paged_attention {tag}: {rel_error(out, reference(batch, 0.1)):.2e}")
         batch = make_batch(decode_lens, dtype=dtype, seed=2, **shape)
         ref = reference(batch, 0.1)
         for splits in (1, 3, None):
             out = torch.full_like(batch.q, float("nan"))
-            paged_decode_attention(
+            kernels().paged_decode_attention(
                 batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, 0.1, out, splits, 1024
             )
             if not rel_error(out, ref) < tol:
@@ -372,7 +381,7 @@ def sweep(rows: list[Row]) -> None:
         configs = [
             (
                 f"splits={sp} BLOCK_N={bn} warps={w} stages={st}",
-                functools.partial(paged_attention_kernels._launch_decode, *decode_args, sp, bn, w, st),
+                functools.partial(kernels()._launch_decode, *decode_args, sp, bn, w, st),
             )
             for sp, bn, w, st in itertools.product((1, 2, 4), (64, 128), (2, 4), (2, 3))
         ]
@@ -390,7 +399,7 @@ def sweep(rows: list[Row]) -> None:
         configs = [
             (
                 f"BLOCK_M={bm} BLOCK_N={bn} w={w} s={st}",
-                functools.partial(paged_attention_kernels._launch_paged_attention, *varlen_args, bm, bn, w, st),
+                functools.partial(kernels()._launch_paged_attention, *varlen_args, bm, bn, w, st),
             )
             for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
         ]
@@ -403,6 +412,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--sweep", action="store_true", help="also time tile configs of both kernels")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_kernels.py checks and times Triton kernels on a CUDA GPU: none here")
+    import triton
+
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
 

@@ -29,39 +29,36 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from attention_kernels import make_batch
-from throughput import W1_ENGINE, run_engine, workloads
+from attention_kernels import kernels, make_batch
 from transformers import AutoConfig
-from triton.testing import do_bench
+from workloads import W1_ENGINE, run_engine, workloads
 
-from rlserve.model.kernels.batch_invariant_matmul import Tile, matmul, tile_for
-from rlserve.model.kernels.paged_attention import _launch_paged_attention, paged_attention, paged_decode_attention
 from rlserve.model.models.llama import spec_from_hf_config
 from rlserve.model.sampler import Sampler, SamplingMetadata
 from rlserve.toy import PRESETS
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-# Tiles the sweep tries at each weight shape: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-SWEEP = [
-    Tile(*t)
-    for t in (
-        (64, 64, 64, 4, 3),
-        (64, 128, 64, 4, 3),
-        (64, 128, 64, 4, 4),
-        (64, 256, 64, 8, 3),
-        (128, 64, 64, 4, 3),
-        (128, 128, 64, 4, 3),
-        (128, 128, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 256, 64, 8, 3),
-        (128, 128, 128, 8, 3),
-        (64, 64, 128, 4, 3),
-    )
-]
+# Tiles the sweep tries at each weight shape: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Triton and the kernels are
+# imported where used, so that the script answers --help where Triton is missing (CPU CI).
+SWEEP_TILES = (
+    (64, 64, 64, 4, 3),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 4),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+    (128, 128, 128, 8, 3),
+    (64, 64, 128, 4, 3),
+)
 
 
 def bench_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -79,6 +76,8 @@ def weight_shapes(spec) -> list[tuple[str, int, int, int]]:
 
 
 def profile_matmuls(spec, batch: int, sweep: bool) -> tuple[float, float]:
+    from rlserve.model.kernels.batch_invariant_matmul import Tile, matmul, tile_for
+
     print(f"\nmatmuls at M = {batch} (ms per call; x count = per decode step)")
     print(f"{'weight':<13} {'N':>7} {'K':>5} {'count':>5} {'cuBLAS':>8} {'invariant':>9} {'ratio':>6}  tile")
     default_total = invariant_total = 0.0
@@ -94,7 +93,8 @@ def profile_matmuls(spec, batch: int, sweep: bool) -> tuple[float, float]:
             f"{name:<13} {n:>7} {k:>5} {count:>5} {cublas:>8.4f} {invariant:>9.4f} {invariant / cublas:>6.2f}  {tile}"
         )
         if sweep:
-            timed = sorted(((bench_ms(lambda t=t: matmul(x, w, None, t)), t) for t in SWEEP), key=lambda p: p[0])  # noqa: B023
+            tiles = [Tile(*t) for t in SWEEP_TILES]
+            timed = sorted(((bench_ms(lambda t=t: matmul(x, w, None, t)), t) for t in tiles), key=lambda p: p[0])  # noqa: B023
             for ms, t in timed[:4]:
                 print(f"{'':<13} sweep {ms:>9.4f} ms ({ms / cublas:.2f}x cuBLAS)  {t}")
     return default_total, invariant_total
@@ -123,6 +123,7 @@ def attention_times(b, scale: float, decode: bool) -> tuple[float, float, float]
     """(default, batch-invariant, former batch-invariant tile) ms of one layer's attention over batch b."""
     q, args = b.q.contiguous(), (b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens, b.block_tables, scale)
     out = torch.empty_like(q)
+    paged_attention, paged_decode_attention = kernels().paged_attention, kernels().paged_decode_attention
     if decode:
         max_seq_len = max(b.ctx_lens)
         default = bench_ms(lambda: paged_decode_attention(q, b.k_cache, b.v_cache, b.seq_lens, b.block_tables, scale,
@@ -130,7 +131,7 @@ def attention_times(b, scale: float, decode: bool) -> tuple[float, float, float]
     else:
         default = bench_ms(lambda: paged_attention(q, *args, b.max_seqlen_q))
     invariant = bench_ms(lambda: paged_attention(q, *args, b.max_seqlen_q, batch_invariant=True))
-    former = bench_ms(lambda: _launch_paged_attention(q, *args, out, 64, 64, 4, 2))
+    former = bench_ms(lambda: kernels()._launch_paged_attention(q, *args, out, 64, 64, 4, 2))
     return default, invariant, former
 
 
@@ -175,9 +176,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--sweep", action="store_true", help="time the SWEEP tiles at each weight shape")
+    ap.add_argument("--sweep", action="store_true", help="time the SWEEP_TILES tiles at each weight shape")
     ap.add_argument("--w1", action="store_true", help="also W1 end to end in both modes")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("batch_invariant_profile.py times CUDA kernels: no CUDA device here")
     config = AutoConfig.for_model("qwen3", architectures=["Qwen3ForCausalLM"], **PRESETS[args.preset])
     spec = spec_from_hf_config(config)
     rows = [

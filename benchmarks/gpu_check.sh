@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, kernel checks, the throughput table, W1 in batch-invariant mode and W5 (SKIP_W5=1 skips
-# it). Logs go to $OUT.
+# it). Logs go to $OUT. Where the image lacks rlserve's packages (pyzmq, msgspec, the server's), carry them as .whl.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SUM=$OUT/summary.txt
+# shellcheck source=benchmarks/gpu_lib.sh
+. "$(dirname "$0")/gpu_lib.sh"  # for ensure_server_packages: rlserve's engine core needs pyzmq and msgspec
+ensure_server_packages || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -q -x tests/gpu tests/model/kernels/test_paged_attention.py -p no:cacheprovider 2>&1 | tail -n 25 | tee "$OUT/tests.log"
 if [ -f benchmarks/attention_kernels.py ]; then

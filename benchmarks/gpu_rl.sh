@@ -6,6 +6,11 @@
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SUM=$OUT/summary.txt
+# shellcheck source=benchmarks/gpu_lib.sh
+. "$(dirname "$0")/gpu_lib.sh"  # for ensure_server_packages: rlserve's engine core needs pyzmq and msgspec
+ensure_server_packages || exit 1
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 part() {  # part NAME SECONDS COMMAND...

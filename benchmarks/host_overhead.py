@@ -39,8 +39,10 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="stream DELTA outputs through AsyncLLM (see above)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model_dir = make_model_dir(tempfile.mkdtemp(), preset="tiny", max_position_embeddings=4096)
-    blocks = args.batch * ((args.prompt_len + args.output_len) // 16 + 2)
+    max_model_len = 4096
+    model_dir = make_model_dir(tempfile.mkdtemp(), preset="tiny", max_position_embeddings=max_model_len)
+    # Every sequence's blocks, and at least one sequence of max_model_len (the engine refuses a smaller cache).
+    blocks = max(args.batch * ((args.prompt_len + args.output_len) // 16 + 2), max_model_len // 16)
     engine_cls = AsyncLLM if args.stream else LLM
     # The core in this process: the benchmark stubs the runner's forward (or launch) on the engine core object.
     os.environ["RLSERVE_ENABLE_MULTIPROCESSING"] = "0"

@@ -9,12 +9,13 @@ file of zeros: no disk, no write time), then its parameters are drawn at random 
 on the device. The two models have different random weights; both route about uniformly, as random routers do.
 
 The roofline of each engine step is the larger of
-  - bytes / copy bandwidth, bytes = the weights the step must read + the KV it reads and writes: every non-expert
-    weight, plus per MoE layer the experts its B tokens touch: with top-k routing spread over E experts, B tokens
-    touch E * (1 - (1 - k/E)^B) experts on average (all 128 from B of about 64 up, 8 for one token), and
+  - bytes / bandwidth, bytes = the weights the step must read + the KV it reads and writes (each KV-cache block
+    once per step, as in benchmarks/roofline.py): every non-expert weight, plus per MoE layer the experts its B tokens
+    touch: with top-k routing spread over E experts, B tokens touch E * (1 - (1 - k/E)^B) experts on average (all 128
+    from B of about 64 up, 8 for one token), and
   - 2 * active parameters per token * tokens / matmul rate, active = non-expert weights + k experts per MoE layer
     (the LM head counted for every token, attention's own FLOPs not counted, as in benchmarks/throughput.py).
-Bandwidth and matmul rate are measured in the same run (benchmarks/throughput.py's measure_ceilings).
+Bandwidth and matmul rate are measured in the same run (benchmarks/roofline.py's measure_ceilings).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import time
 from pathlib import Path
 
 import torch
-from throughput import W1_ENGINE, StepLog, hf_generate_tok_s, instrument, measure_ceilings, run_engine, workloads
+from roofline import Step, measure_ceilings, schedule_of
+from throughput import hf_generate_tok_s
 from transformers import AutoConfig
+from workloads import W1_ENGINE, run_engine, workloads
 
 from rlserve import LLM
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
@@ -114,12 +117,12 @@ class ActiveWeights:
 
 
 def moe_roofline_seconds(
-    log: StepLog, weights: ActiveWeights, itemsize: int, kv_bytes_per_token: int, bw: float, flops: float
+    steps: list[Step], weights: ActiveWeights, itemsize: int, kv_bytes_per_token: int, bw: float, flops: float
 ) -> float:
     total = 0.0
-    for tokens, context, _ in log.steps:
-        moved = weights.params_read(tokens) * itemsize + (context + tokens) * kv_bytes_per_token
-        total += max(moved / bw, 2 * weights.active_per_token * tokens / flops)
+    for step in steps:
+        moved = weights.params_read(step.new_tokens) * itemsize + step.kv_tokens * kv_bytes_per_token
+        total += max(moved / bw, 2 * weights.active_per_token * step.new_tokens / flops)
     return total
 
 
@@ -146,7 +149,8 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     workdir = Path(tempfile.mkdtemp(prefix="rlserve-moe-bench-"))
     cfg = write_sparse_checkpoint(workdir / "model", args.preset, dtype)
-    bw, flops = measure_ceilings(device)
+    ceilings = measure_ceilings(device)
+    bw, flops = ceilings.bandwidth, ceilings.matmul_flops
     print(f"ceilings: copy {bw / 1e12:.3f} TB/s, matmul {flops / 1e12:.1f} TFLOP/s", flush=True)
     in_len = max(4, int(256 * args.scale**0.5))
     hf_tok_s = None
@@ -171,13 +175,17 @@ def main() -> int:
         f"{weights.active_per_token / 1e9:.2f} B active per token; KV cache {runner.num_blocks} blocks",
         flush=True,
     )
-    log = instrument(llm)
     prompts, params = workloads("W1", spec.vocab_size, args.scale, seed=0)
     run_engine(llm, prompts, params)  # first run: Triton compiles, allocators grow
     llm.reset_prefix_cache()
-    log.steps.clear()
+    steps0 = llm.engine_core.num_steps
     seconds, out_tokens = run_engine(llm, prompts, params)
-    roof = moe_roofline_seconds(log, weights, dtype.itemsize, kv_bytes_per_token, bw, flops)
+    timed_steps = llm.engine_core.num_steps - steps0
+    # The roofline's schedule from an untimed run: recording inside the timed one would slow it (roofline.recording).
+    steps, _ = schedule_of(llm, prompts, params)
+    if timed_steps != len(steps):
+        print(f"the timed run took {timed_steps} steps, the roofline's schedule {len(steps)}", flush=True)
+    roof = moe_roofline_seconds(steps, weights, dtype.itemsize, kv_bytes_per_token, bw, flops)
     row = dict(
         workload="W1",
         preset=args.preset,
@@ -187,8 +195,8 @@ def main() -> int:
         roofline_s=roof,
         roofline_tok_s=out_tokens / roof,
         fraction=roof / seconds,
-        steps=len(log.steps),
-        max_batch=max(b for _, _, b in log.steps),
+        steps=timed_steps,
+        max_batch=max(step.batch for step in steps),
         hf_tok_s=hf_tok_s,
         hf_batch=args.hf_batch,
         speedup_vs_hf=None if not hf_tok_s else out_tokens / seconds / hf_tok_s,

@@ -5,7 +5,12 @@ GPU:  python benchmarks/throughput.py --device cuda --preset qwen3-0.6b-shape
 CPU:  python benchmarks/throughput.py --device cpu --preset small --scale 0.03 --hf dynamic
 
 The roofline (benchmarks/roofline.py, which states the model) is computed for the batch schedule the engine actually
-ran, with bandwidth and matrix rate measured in the same run.
+ran, with bandwidth and matrix rate measured in the same run. The timed runs record nothing: the schedule comes from
+one more, untimed run of the same requests (`roofline.schedule_of`; its step count is checked against the timed runs'
+count on the core). A workload named NAME/inline records its schedule inside its timed runs instead, as this script
+did before 2026-12-02, which shows what recording inside the step costs: `--workloads W1,W1/inline --repeats 3`.
+NAME/sync runs NAME without async scheduling. `--repeats R` times every workload R times, the workloads alternating
+round by round, and reports the median and the range.
 """
 
 from __future__ import annotations
@@ -14,55 +19,38 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
-from roofline import instrument, measure_ceilings, model_cost, roofline_seconds, timed
+from roofline import measure_ceilings, model_cost, recording, roofline_seconds, schedule_of, timed
+from workloads import W1_ENGINE, run_engine, workloads
 
 from rlserve import LLM, SamplingParams
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
 from rlserve.toy import make_model_dir
 
-# Engine settings that hold all of W1's 1,024 sequences in one batch; the benchmarks that run W1 share them.
-W1_ENGINE = {"max_num_seqs": 1024, "max_num_batched_tokens": 16384, "max_model_len": 2048}
+VARIANTS = {"sync": "without async scheduling", "inline": "its schedule recorded inside the timed runs"}
 
 
-def workloads(name: str, vocab: int, scale: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
+@dataclass(frozen=True)
+class Workload:
+    name: str  # as given: "W1", "W1/sync", "W1/inline", "W1/sync/inline"
+    base: str  # W1, W2 or W3
+    async_scheduling: bool
+    record_inline: bool
 
-    def rand_prompt(n):
-        return {"prompt_token_ids": torch.randint(0, vocab - 3, (n,), generator=g).tolist()}
-
-    if name == "W1":
-        n = max(1, int(1024 * scale))
-        p_len, o_len = max(4, int(256 * scale**0.5)), max(4, int(256 * scale**0.5))
-        return [rand_prompt(p_len) for _ in range(n)], [
-            SamplingParams(temperature=1.0, top_p=1.0, max_tokens=o_len, ignore_eos=True, seed=None)
-        ] * n
-    if name == "W2":
-        n = max(1, int(128 * scale))
-        p_len, o_len = max(4, int(512 * scale**0.5)), max(4, int(256 * scale**0.5))
-        return [rand_prompt(p_len) for _ in range(n)], [
-            SamplingParams(n=8, temperature=1.0, max_tokens=o_len, ignore_eos=True)
-        ] * n
-    if name == "W3":
-        n = max(1, int(256 * scale))
-        lo, hi = max(4, int(100 * scale**0.5)), max(8, int(1024 * scale**0.5))
-        ins = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-        outs = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
-        return [rand_prompt(i) for i in ins], [
-            SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True) for o in outs
-        ]
-    raise ValueError(name)
-
-
-def run_engine(llm: LLM, prompts, params) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    return dt, sum(len(c.token_ids) for o in outs for c in o.outputs)
+    @classmethod
+    def parse(cls, name: str) -> Workload:
+        base, *variants = name.split("/")
+        unknown = [v for v in variants if v not in VARIANTS]
+        if base not in ("W1", "W2", "W3") or unknown:
+            raise SystemExit(f"--workloads: {name!r} is not W1, W2 or W3 with /{' or /'.join(VARIANTS)}")
+        return cls(name, base, "sync" not in variants, "inline" in variants)
 
 
 def profile_host(llm: LLM, prompts, params) -> None:
@@ -76,6 +64,43 @@ def profile_host(llm: LLM, prompts, params) -> None:
     run_engine(llm, prompts, params)
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
+def warm_up(llm: LLM, prompts, params, mode: str) -> None:
+    if mode == "full":
+        # The first run of a workload's shapes pays one-time costs (Triton compiling kernel variants, the
+        # allocators growing): on the H200 W1's first run took 8.0 s, the next ones 4.8 s. Time the steady state.
+        run_engine(llm, prompts, params)
+    else:
+        warm = [dict(prompt_token_ids=p["prompt_token_ids"][:16]) for p in prompts[:8]]
+        llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def summary_row(workload: Workload, runs: list[dict], steps: list, roofline_s: float) -> dict:
+    """A workload's timed runs (median and range) against the roofline of its schedule."""
+    seconds = statistics.median(r["seconds"] for r in runs)
+    out_tokens = runs[0]["output_tokens"]
+    timed_steps = {r["steps"] for r in runs}
+    if timed_steps != {len(steps)}:  # the roofline would be another schedule's
+        print(f"{workload.name}: the timed runs took {sorted(timed_steps)} steps, the roofline's schedule {len(steps)}")
+    return dict(
+        workload=workload.name,
+        schedule="recorded inline" if workload.record_inline else "recorded in an untimed run after",
+        runs=len(runs),
+        run_tok_s=[r["tok_s"] for r in runs],
+        seconds=seconds,
+        output_tokens=out_tokens,
+        tok_s=out_tokens / seconds,
+        tok_s_min=min(r["tok_s"] for r in runs),
+        tok_s_max=max(r["tok_s"] for r in runs),
+        roofline_s=roofline_s,
+        roofline_tok_s=out_tokens / roofline_s,
+        fraction=roofline_s / seconds,
+        steps=len(steps),
+        timed_steps=sorted(timed_steps),
+        max_batch=max(step.batch for step in steps),
+        prefix_hit_rate=statistics.median(r["prefix_hit_rate"] for r in runs),
+    )
 
 
 def run_hf(model_dir: str, device: torch.device, dtype: torch.dtype, mode: str, batch: int, in_len: int, out_len: int):
@@ -106,7 +131,13 @@ def hf_generate_tok_s(model, device: torch.device, mode: str, batch: int, in_len
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
-    ap.add_argument("--workloads", default="W1,W2,W3", help="comma list; NAME/sync runs NAME without async scheduling")
+    ap.add_argument(
+        "--workloads",
+        default="W1,W2,W3",
+        help="comma list; NAME/sync: without async scheduling; NAME/inline: its schedule recorded inside the timed "
+        "runs (what recording costs)",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of each workload, alternating; median reported")
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's prompts (CPU runs)")
     ap.add_argument("--hf", default="dynamic", help="comma list of HF baselines: dynamic, static, none")
     ap.add_argument("--hf-batch", type=int, default=256)
@@ -117,7 +148,8 @@ def main() -> int:
         "--warmup",
         choices=("full", "short"),
         default="full",
-        help="full: run each workload once untimed first; short: a few short requests (first-run costs included)",
+        help="full: run each workload once untimed first (its variants share that run); "
+        "short: a few short requests (first-run costs included)",
     )
     # --dtype not given: bfloat16 on cuda, float32 on cpu (the toy model is made in it too).
     add_engine_arguments(
@@ -152,7 +184,7 @@ def main() -> int:
             continue
         hf_rows.append(dict(baseline=f"hf-{mode}", tok_s=tok_s))
         print(json.dumps(hf_rows[-1]), flush=True)
-    # The core in this process: the benchmark logs every step from the runner, reads the model's size and the
+    # The core in this process: the benchmark records the schedule from the runner, reads the model's size and the
     # prefix-cache counters off the core, and switches async scheduling per workload on the core's config.
     os.environ["RLSERVE_ENABLE_MULTIPROCESSING"] = "0"
     t0 = time.perf_counter()
@@ -168,53 +200,53 @@ def main() -> int:
         f"weights {cost.weight_bytes / 1e9:.2f} GB",
         flush=True,
     )
-    log = instrument(llm)
-    rows = []
     core = llm.engine_core
-    for name in args.workloads.split(","):
-        # "W1/sync": the same workload without async scheduling, to show what overlapping host and device buys.
-        base, _, variant = name.partition("/")
-        core.config = dataclasses.replace(core.config, async_scheduling=variant != "sync")
-        prompts, sps = workloads(base, spec.vocab_size, args.scale, seed=0)
-        if args.warmup == "full":
-            # The first run of a workload's shapes pays one-time costs (Triton compiling kernel variants, the
-            # allocators growing): on the H200 W1's first run took 8.0 s, the next ones 4.8 s. Time the steady state.
-            run_engine(llm, prompts, sps)
-        else:
-            warm = [dict(prompt_token_ids=p["prompt_token_ids"][:16]) for p in prompts[:8]]
-            llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
-        llm.reset_prefix_cache()  # the warm-up's prompts are prefixes of the workload's: no free hits
-        log.steps.clear()
-        hits0 = llm.engine_core.kv_cache.prefix_hits, llm.engine_core.kv_cache.prefix_queries
-        if args.profile and not rows:
-            profile_host(llm, prompts, sps)
-            llm.reset_prefix_cache()  # the profiled run cached these very prompts
-            log.steps.clear()
-        dt, out_tokens = run_engine(llm, prompts, sps)
-        roof = roofline_seconds(log.steps, cost, ceilings)
-        hits = llm.engine_core.kv_cache.prefix_hits - hits0[0]
-        queries = llm.engine_core.kv_cache.prefix_queries - hits0[1]
-        row = dict(
-            workload=name,
-            seconds=dt,
-            output_tokens=out_tokens,
-            tok_s=out_tokens / dt,
-            roofline_s=roof,
-            roofline_tok_s=out_tokens / roof,
-            fraction=roof / dt,
-            steps=len(log.steps),
-            max_batch=max(step.batch for step in log.steps),
-            prefix_hit_rate=hits / max(queries, 1),
-        )
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    chosen = [Workload.parse(name) for name in args.workloads.split(",")]
+    if len({w.name for w in chosen}) < len(chosen):
+        raise SystemExit(f"--workloads {args.workloads}: a workload named twice (--repeats times each again)")
+    runs: dict[str, list[dict]] = {workload.name: [] for workload in chosen}
+    inline_steps = {}
+    warmed: set[str] = set()
+    for round_index in range(args.repeats):
+        for workload in chosen:  # alternating, so that a drift of the machine spreads over every workload
+            core.config = dataclasses.replace(core.config, async_scheduling=workload.async_scheduling)
+            prompts, sps = workloads(workload.base, spec.vocab_size, args.scale, seed=0)
+            if workload.base not in warmed:  # a variant runs the same shapes: one warm-up per base workload
+                warmed.add(workload.base)
+                warm_up(llm, prompts, sps, args.warmup)
+                if args.profile and workload is chosen[0]:
+                    profile_host(llm, prompts, sps)
+            llm.reset_prefix_cache()  # the warm-up's prompts are prefixes of the workload's: no free hits
+            hits0, queries0, steps0 = core.kv_cache.prefix_hits, core.kv_cache.prefix_queries, core.num_steps
+            with recording(llm) if workload.record_inline else nullcontext() as log:
+                dt, out_tokens = run_engine(llm, prompts, sps)
+            if log is not None:
+                inline_steps[workload.name] = log.steps
+            run = dict(
+                seconds=dt,
+                output_tokens=out_tokens,
+                tok_s=out_tokens / dt,
+                steps=core.num_steps - steps0,
+                prefix_hit_rate=(core.kv_cache.prefix_hits - hits0) / max(core.kv_cache.prefix_queries - queries0, 1),
+            )
+            runs[workload.name].append(run)
+            print(json.dumps(dict(workload=workload.name, round=round_index, **run)), flush=True)
+    rows = []
+    for workload in chosen:
+        core.config = dataclasses.replace(core.config, async_scheduling=workload.async_scheduling)
+        steps = inline_steps.get(workload.name)
+        if steps is None:
+            steps, _ = schedule_of(llm, *workloads(workload.base, spec.vocab_size, args.scale, seed=0))
+        rows.append(summary_row(workload, runs[workload.name], steps, roofline_seconds(steps, cost, ceilings)))
+        print(json.dumps(rows[-1]), flush=True)
     print(
-        f"\n{'workload':<8} {'out tok/s':>11} {'roofline tok/s':>15} {'of roofline':>12} {'steps':>6} {'hit rate':>9}"
+        f"\n{'workload':<16} {'out tok/s':>11} {'min-max':>15} {'runs':>4} {'roofline tok/s':>15} {'of roofline':>12} "
+        f"{'steps':>6} {'hit rate':>9}"
     )
     for r in rows:
         print(
-            f"{r['workload']:<8} {r['tok_s']:>11,.0f} {r['roofline_tok_s']:>15,.0f} {r['fraction']:>11.1%} "
-            f"{r['steps']:>6} {r['prefix_hit_rate']:>8.1%}"
+            f"{r['workload']:<16} {r['tok_s']:>11,.0f} {r['tok_s_min']:>7,.0f}-{r['tok_s_max']:<7,.0f} {r['runs']:>4} "
+            f"{r['roofline_tok_s']:>15,.0f} {r['fraction']:>11.1%} {r['steps']:>6} {r['prefix_hit_rate']:>8.1%}"
         )
     for h in hf_rows:
         ratio = rows[0]["tok_s"] / h["tok_s"] if rows else float("nan")

@@ -7,6 +7,7 @@ released together once all are ready instead of after a guessed delay."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -66,4 +67,5 @@ async def _main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; the job comes on stdin
     asyncio.run(_main())

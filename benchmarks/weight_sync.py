@@ -637,7 +637,7 @@ def print_table(rows: list[Row], info: dict[str, Any]) -> None:
         )
         phases = ", ".join(f"{phase} {s * 1e3:.2f} ms" for phase, s in info["sparse_phases_s"].items())
         print(f"sparse, median per phase on the trainer: {phases}")
-    else:
+    if info["backend"] != "ipc":  # nccl/gloo measure a raw broadcast as their ceiling; ipc the copy above
         print(
             f"ceiling: raw broadcast of the model's size {info['raw_broadcast_s'] * 1e3:.3f} ms "
             f"({info['raw_broadcast_gbps']:.2f} GB/s)"

@@ -177,8 +177,15 @@ class EngineConfig:
     max_model_len: int | None = _option(
         None, "longest sequence, prompt and output (default: the model's)", human_readable=True
     )
-    max_num_seqs: int = _option(256, "most requests in one step")
-    max_num_batched_tokens: int = _option(8192, "most tokens in one step", human_readable=True)
+    # None: chosen for the device in the engine's process (rlserve.engine.device_defaults, vLLM 0.33's tiers).
+    max_num_seqs: int | None = _option(
+        None, "most requests in one step (default: 1024 on a GPU of >= 70 GiB but an A100 or a GB10, else 256)"
+    )
+    max_num_batched_tokens: int | None = _option(
+        None,
+        "most tokens in one step (default: 16384 on a GPU of >= 70 GiB but an A100 or a GB10, else 8192)",
+        human_readable=True,
+    )
     block_size: int = _option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _option(
         None, "KV cache size in blocks (default: from --gpu-memory-utilization, or --cpu-kv-cache-bytes on CPU)"
@@ -320,7 +327,8 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         self._apply_quantization()
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "stream_interval"):
-            if getattr(self, name) < 1 and name != "max_logprobs":
+            value = getattr(self, name)
+            if value is not None and value < 1 and name != "max_logprobs":  # None: the device's default
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0 (or -1: no cap below the vocabulary), got {self.max_logprobs}")

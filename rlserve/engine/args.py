@@ -83,8 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: Mapping[str,
             spellings.setdefault(alias.field, []).append(alias.flag)
     for f in engine_fields():
         help_text = f.metadata["help"]
-        if "default:" not in help_text:  # some helps say what the default means better than its value would
-            help_text += f" (default: {_shown(defaults.get(f.name, f.default))})"
+        if f.name in defaults:  # the caller's default replaces what the field's help says of its own
+            help_text = re.sub(r" \(default: .*\)$", "", help_text) + f" (default: {_shown(defaults[f.name])})"
+        elif "default:" not in help_text:  # some helps say what the default means better than its value would
+            help_text += f" (default: {_shown(f.default)})"
         if f.metadata.get("human_readable"):
             help_text += "; vLLM's forms too: 4k = 4000, 4K = 4096"
         options: dict[str, Any] = dict(

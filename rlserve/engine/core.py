@@ -19,6 +19,7 @@ from torch.distributed import TCPStore
 from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.call_policy import check_rpc_method, confined_weight_dir
+from rlserve.engine.device_defaults import with_device_defaults
 from rlserve.engine.kv_cache import KVCacheManager
 from rlserve.engine.lora_manager import LoRAManager
 from rlserve.engine.messages import ENGINE_RPC_METHODS, EngineCoreOutput, resolve_pause_mode
@@ -60,6 +61,7 @@ class _InFlightStep:
 class EngineCore:
     def __init__(self, config: EngineConfig, dp_store: TCPStore | None = None) -> None:
         """`dp_store`: the data-parallel ranks' rendezvous (lockstep), for the expert-parallel group."""
+        config = with_device_defaults(config)  # the batch limits left unset, chosen for this process's device
         self.config = config
         # rank 0's, with the other tensor-parallel ranks in processes of their own
         self.runner = create_runner(config, dp_store)
