@@ -30,7 +30,12 @@ import torch.distributed as dist
 from rlserve.weight_transfer.nccl_library import NCCL_UNIQUE_ID_BYTES, ncclUniqueId, unique_id_from_bytes
 
 VLLM_UNIQUE_ID_MODULE = "vllm.distributed.device_communicators.pynccl_wrapper"
-UNIQUE_ID_MODULES = (VLLM_UNIQUE_ID_MODULE, "rlserve.distributed.device_communicators.pynccl_wrapper", __name__)
+# The class's paths a pickle may name: vLLM's, and rlserve's (a peer pickling rlserve's class by plain pickle).
+UNIQUE_ID_MODULES = (
+    VLLM_UNIQUE_ID_MODULE,
+    "rlserve.distributed.device_communicators.pynccl_wrapper",
+    ncclUniqueId.__module__,
+)
 DEFAULT_DATA_EXPIRATION_S = 3600
 DEFAULT_STORE_TIMEOUT_S = 300
 _POLL_S = 0.005
