@@ -28,7 +28,7 @@ from rlserve.dtypes import dtype_name
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
 
-TRAINER = Path(__file__).with_name("vllm_trainer.py")
+TRAINER = Path(__file__).resolve().parents[1] / "vllm_trainer.py"
 RENDEZVOUS_TIMEOUT_S = 120.0
 # Small buckets: the toy checkpoint spans several, an embedding larger than the budget among them.
 SMALL_BUFFER_BYTES = 4096
