@@ -15,8 +15,13 @@ What it does is what vLLM's trainer-side NCCL sender does, read from vLLM 0.33.0
 vLLM has no CPU data plane (its communicator disables itself without NCCL), so on CPU the data plane is rlserve's
 stand-in for `ncclCommInitRank`: a gloo group over the same store under `gloo_prefix(unique id)`, with the same warm-up.
 
-With `RLSERVE_TEST_VLLM_SRC` naming a directory that holds vLLM's source (and the few packages its modules import),
-vLLM's own `StatelessProcessGroup`, `ncclUniqueId` and `pack_tensors` run instead of the replay.
+With `RLSERVE_TEST_VLLM_SRC` naming directories (os.pathsep-separated) that hold vLLM's source and the few packages
+its modules import, vLLM's own `StatelessProcessGroup`, `ncclUniqueId` and `pack_tensors` run instead of the replay
+(checked with 0.24.0 and 0.33.0). To build them:
+    pip download --no-deps vllm==0.33.0 -d /tmp/w && unzip -q /tmp/w/vllm-*.whl '*.py' -d /tmp/vllm-src
+    pip install --no-deps --target /tmp/vllm-deps psutil cbor2 aiohttp multidict yarl propcache aiohappyeyeballs \
+        aiosignal frozenlist openai_harmony pybase64
+    RLSERVE_TEST_VLLM_SRC=/tmp/vllm-src:/tmp/vllm-deps pytest tests/server/test_server_vllm_trainer.py
 
 Protocol with the parent, one line each way: prints `joined` once the group is formed; then for each line
 `send FILE PACKED BUFFER_BYTES` it broadcasts FILE's tensors (sorted by name) and prints `sent`; `exit` ends it.

@@ -32,6 +32,7 @@ RENDEZVOUS_TIMEOUT_S = 120.0
 # Small buckets: the toy checkpoint spans several, an embedding larger than the budget among them.
 SMALL_BUFFER_BYTES = 4096
 PROMPT = "the trainer sent"
+PROTOCOL_LINES = ("joined", "sent")
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,11 @@ class Trainer:
         )
 
     def expect(self, line: str) -> None:
+        """The trainer's next protocol line; log lines (vLLM's logger writes to stdout) are passed over."""
         assert self.proc.stdout is not None
         got = _readline(self.proc.stdout, RENDEZVOUS_TIMEOUT_S)
+        while got and got not in PROTOCOL_LINES:
+            got = _readline(self.proc.stdout, RENDEZVOUS_TIMEOUT_S)
         assert got == line, f"trainer said {got!r}, exit code {self.proc.poll()}"
 
     def send(self, path: Path, packed: bool, buffer_bytes: int) -> None:
