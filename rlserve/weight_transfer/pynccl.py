@@ -194,8 +194,17 @@ class PyNcclCommunicator:
         with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             self.broadcast_async(tensor, src)
 
-    def all_reduce(self, in_tensor: torch.Tensor, out_tensor: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Sum across ranks into `out_tensor` (default: a new tensor); `in_tensor` is left as it was."""
+    def all_reduce(
+        self,
+        in_tensor: torch.Tensor,
+        out_tensor: torch.Tensor | None = None,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        stream: torch.cuda.Stream | None = None,
+    ) -> torch.Tensor | None:
+        """Sum across ranks into `out_tensor` (default: a new tensor); `in_tensor` is left as it was. Only SUM:
+        a weight-transfer group sums its warm-up and nothing else."""
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"PyNcclCommunicator.all_reduce: op {op} is not supported in rlserve (SUM only)")
         if self.disabled:
             return None
         self._check_device(in_tensor)
@@ -204,7 +213,10 @@ class PyNcclCommunicator:
             self._gloo.allreduce([out]).wait()
         else:
             assert self._nccl is not None and self._comm is not None
-            self._nccl.all_reduce_sum(out, self._comm, torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            if stream is not None and stream != current:
+                stream.wait_stream(current)  # the copy into `out` was enqueued on the current stream
+            self._nccl.all_reduce_sum(out, self._comm, stream or current)
         return out
 
     def destroy(self) -> None:

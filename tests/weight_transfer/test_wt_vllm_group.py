@@ -154,6 +154,10 @@ def test_communicator_on_cpu_broadcasts_and_sums_over_gloo() -> None:
 def test_communicator_refuses_what_it_cannot_join() -> None:
     with pytest.raises(ValueError, match="nccl_unique_id_b64: joining from an NCCL unique id needs NCCL"):
         PyNcclCommunicator.from_unique_id_bytes(bytes(128), rank=1, world_size=2, device="cpu")
+    with pytest.raises(ValueError, match="op .* is not supported in rlserve"):
+        PyNcclCommunicator(StatelessProcessGroup(0, 1, store=None), device="cpu").all_reduce(  # type: ignore[arg-type]
+            torch.zeros(1), op=torch.distributed.ReduceOp.MAX
+        )
     with pytest.raises(ValueError, match="an NCCL unique id is 128 bytes, got 3"):
         unique_id_from_bytes(b"abc")
 
