@@ -397,7 +397,10 @@ def join_worker_group(
     rank = init_info.rank_offset + worker_index
     unique_id = init_info.nccl_unique_id_bytes
     if unique_id is not None:
-        return VLLMWireGroup(PyNcclCommunicator.from_unique_id_bytes(unique_id, rank, init_info.world_size, device))
+        communicator = PyNcclCommunicator.from_unique_id_bytes(
+            unique_id, rank, init_info.world_size, device, timeout_s=timeout_s
+        )
+        return VLLMWireGroup(communicator)
     assert init_info.master_address is not None and init_info.master_port is not None
     address, port, world_size = init_info.master_address, init_info.master_port, init_info.world_size
     try:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -31,6 +33,7 @@ from rlserve.weight_transfer.nccl_library import (
 from rlserve.weight_transfer.stateless_group import DEFAULT_STORE_TIMEOUT_S
 
 GLOO_PREFIX = "rlserve_pynccl_gloo"
+_POLL_S = 0.0005
 
 
 class MetadataGroup(Protocol):
@@ -49,11 +52,22 @@ class Work(Protocol):
 
 @dataclass(frozen=True)
 class _StreamWork:
-    """An NCCL call enqueued on a stream: `wait` makes the caller's current stream wait for it (no host wait)."""
+    """An NCCL broadcast enqueued on a stream. `wait` waits on the host until it is done, at most `timeout_s`, then
+    orders the caller's current stream after it. NCCL itself never times out: a peer that died or sends nothing
+    would leave the kernel spinning, so past the timeout the communicator is aborted (which ends the kernel) and
+    TimeoutError raised."""
 
     done: torch.cuda.Event
+    timeout_s: float
+    abort: Callable[[], None]
 
     def wait(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self.done.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise TimeoutError(f"an NCCL broadcast did not complete within {self.timeout_s:g} s")
+            time.sleep(_POLL_S)
         torch.cuda.current_stream().wait_event(self.done)
 
 
@@ -115,6 +129,8 @@ class PyNcclCommunicator:
         world_size: int,
         device: int | str | torch.device,
         library_path: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
     ) -> PyNcclCommunicator:
         """Join from an id minted elsewhere (a torch-free trainer's `ncclGetUniqueId`). No barrier: every rank must
         enter at once. NCCL only: gloo needs a store."""
@@ -124,7 +140,7 @@ class PyNcclCommunicator:
         self.group = None
         self.rank, self.world_size = rank, world_size
         self.device = _as_device(device)
-        self.timeout_s = DEFAULT_STORE_TIMEOUT_S
+        self.timeout_s = timeout_s
         if self.device.type != "cuda":
             raise ValueError(
                 "nccl_unique_id_b64: joining from an NCCL unique id needs NCCL on a CUDA device; this rank's device "
@@ -170,8 +186,8 @@ class PyNcclCommunicator:
             raise ValueError(f"this communicator works on {self.device}, the tensor is on {tensor.device}")
 
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> Work:
-        """Start an in-place broadcast from `src`; its Work's `wait` orders the caller after it (NCCL: the current
-        stream; gloo: the host)."""
+        """Start an in-place broadcast from `src`; its Work's `wait` returns once it is done and orders the caller's
+        current stream after it, or raises (gloo: RuntimeError; NCCL: TimeoutError past `timeout_s`)."""
         self._check_device(tensor)
         if self._gloo is not None:
             opts = dist.BroadcastOptions()
@@ -182,7 +198,7 @@ class PyNcclCommunicator:
         self._nccl.broadcast(tensor, src, self._comm, stream)
         done = torch.cuda.Event()
         done.record(stream)
-        return _StreamWork(done)
+        return _StreamWork(done, self.timeout_s, self.destroy)
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream: torch.cuda.Stream | None = None) -> None:
         """vLLM's: enqueued on `stream` (default: the current one) on CUDA; finished on return with gloo."""

@@ -16,6 +16,7 @@ import base64
 import multiprocessing
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,40 @@ def test_vllm_unique_id_rendezvous(model_dirs, engines):
             assert _outputs(llm) == outputs
     finally:
         _join(trainer)
+
+
+def _trainer_that_joins_and_leaves(port: int) -> None:
+    torch.cuda.set_device(0)
+    from rlserve.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from rlserve.distributed.utils import StatelessProcessGroup
+
+    PyNcclCommunicator(StatelessProcessGroup.create("127.0.0.1", port, 0, 2), device=0)
+    # Exits without sending: NCCL never times out by itself, the engine's watchdog must.
+
+
+def test_a_trainer_lost_on_the_vllm_wire_is_detected_within_the_timeout(model_dirs):
+    old, new = model_dirs
+    timeout_s = 5.0
+    llm = LLM(
+        str(old),
+        dtype="float32",
+        device="cuda:1",
+        num_kv_blocks=64,
+        weight_transfer_config=WeightTransferConfig(backend="nccl"),
+        weight_transfer_timeout_s=timeout_s,
+    )
+    try:
+        port = free_port()
+        trainer = _run(_trainer_that_joins_and_leaves, (port,))
+        llm.init_weight_transfer_engine(
+            dict(init_info=dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2))
+        )
+        _join(trainer)
+        llm.start_weight_update()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the trainer was lost"):
+            llm.update_weights(dict(update_info=_update_info(new, packed=True)))
+        assert time.monotonic() - started < timeout_s + 30
+        assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+    finally:
+        llm.shutdown()
