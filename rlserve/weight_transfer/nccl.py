@@ -5,6 +5,11 @@ it) and process-group backends built directly on that store, so neither process'
 touched. CUDA tensors travel over NCCL and CPU tensors over gloo, through the same code; a backend is created for a
 device type the first time a tensor of that type is broadcast (on a CPU-only machine only gloo ever exists).
 
+The engine's side also joins the group vLLM's trainer forms (`StatelessProcessGroup` + `PyNcclCommunicator`:
+`stateless_group.py`, `pynccl.py`), with the same init_info: after connecting to the trainer's store it reads which
+handshake the trainer started (vLLM's publishes its NCCL unique id at `broadcast_from/0/0`; rlserve's counts
+arrivals under its prefix). vLLM's torch-free form, `nccl_unique_id_b64`, joins NCCL directly (CUDA only).
+
 Blocking: `init_transfer_engine` (engine) and `trainer_init` (trainer) each block until every rank has joined, and
 `receive_weights` blocks until `trainer_send_weights` has sent everything, so each pair must run concurrently: the
 trainer issues the engine call (HTTP, RPC) on a thread while it joins or sends on its own thread.
