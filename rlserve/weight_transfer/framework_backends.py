@@ -31,8 +31,9 @@ from rlserve.weight_transfer.base import (
     WeightUpdateRefused,
 )
 from rlserve.weight_transfer.base import WeightTransferUpdateInfo as _UpdateInfo
+from rlserve.weight_transfer.framework_group import StatelessGroupMember
 from rlserve.weight_transfer.nccl import DEFAULT_TIMEOUT_S
-from rlserve.weight_transfer.stateless_group import StatelessGroupMember, decode_store_object
+from rlserve.weight_transfer.stateless_group import decode_store_value
 
 MAX_METADATA_BYTES = 64 << 20  # one state dict's pickled names and shapes; far above any model's
 MAX_STATE_DICTS = 1 << 16  # layers + 1
@@ -170,7 +171,7 @@ class PrimeRLBroadcastEngine(_StatelessBackend):
         size = self._receive_int("a state dict's metadata size", MAX_METADATA_BYTES)
         raw = self._receive((size,), torch.uint8)
         try:
-            groups = _parse_metadata(decode_store_object(raw.cpu().numpy().tobytes()))
+            groups = _parse_metadata(decode_store_value(raw.cpu().numpy().tobytes()))
         except ValueError as e:  # the dtype groups' sizes are unknown: the stream cannot be followed
             raise ConnectionError(f"prime-rl stream out of step: {e}") from e
         claimed = sum(dtype.itemsize * sum(numel for _, _, numel in items) for dtype, items in groups)

@@ -5,6 +5,11 @@ it) and process-group backends built directly on that store, so neither process'
 touched. CUDA tensors travel over NCCL and CPU tensors over gloo, through the same code; a backend is created for a
 device type the first time a tensor of that type is broadcast (on a CPU-only machine only gloo ever exists).
 
+The engine's side also joins the group vLLM's trainer forms (`StatelessProcessGroup` + `PyNcclCommunicator`:
+`stateless_group.py`, `pynccl.py`), with the same init_info: after connecting to the trainer's store it reads which
+handshake the trainer started (vLLM's publishes its NCCL unique id at `broadcast_from/0/0`; rlserve's counts
+arrivals under its prefix). vLLM's torch-free form, `nccl_unique_id_b64`, joins NCCL directly (CUDA only).
+
 Blocking: `init_transfer_engine` (engine) and `trainer_init` (trainer) each block until every rank has joined, and
 `receive_weights` blocks until `trainer_send_weights` has sent everything, so each pair must run concurrently: the
 trainer issues the engine call (HTTP, RPC) on a thread while it joins or sends on its own thread.
@@ -17,6 +22,8 @@ Trainer side, with the engine's update metadata sent as `update_info` (names, dt
 
 from __future__ import annotations
 
+import base64
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
@@ -33,8 +40,11 @@ from rlserve.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from rlserve.weight_transfer.nccl_library import NCCL_UNIQUE_ID_BYTES
 from rlserve.weight_transfer.packed import PackedReceiver, PackedSender, as_bytes, tensor_metas
+from rlserve.weight_transfer.pynccl import PyNcclCommunicator, Work
 from rlserve.weight_transfer.source import ParamMeta, WeightSource
+from rlserve.weight_transfer.stateless_group import StatelessProcessGroup, connect_store
 from rlserve.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -49,6 +59,10 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 600.0
 _STORE_PREFIX = "rlserve/weight_transfer"
+_ARRIVED = "arrived"
+_RLSERVE_ARRIVED_KEY = f"{_STORE_PREFIX}/{_ARRIVED}"  # PrefixStore joins with "/"
+_VLLM_UNIQUE_ID_KEY = "broadcast_from/0/0"  # vLLM's PyNcclCommunicator: rank 0's first broadcast_obj
+_PROTOCOL_POLL_S = 0.01
 
 
 class _Backend(Protocol):
@@ -77,7 +91,6 @@ class WeightTransferGroup:
         """Join the group as `rank`; blocks until all `world_size` ranks have joined. Rank 0 serves the store."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
-        timeout = timedelta(seconds=timeout_s)
         try:
             # multi_tenant: the trainer may already serve a store on this port (e.g. its own torch.distributed
             # rendezvous); the prefix below keeps the two key spaces apart.
@@ -85,24 +98,32 @@ class WeightTransferGroup:
                 master_address,
                 master_port,
                 is_master=rank == 0,
-                timeout=timeout,
+                timeout=timedelta(seconds=timeout_s),
                 wait_for_workers=False,
                 multi_tenant=True,
             )
+        except dist.DistError as e:
+            raise _rendezvous_timeout(master_address, master_port, rank, world_size, timeout_s, e) from e
+        return cls.join(tcp_store, master_address, master_port, rank, world_size, timeout_s)
+
+    @classmethod
+    def join(
+        cls, tcp_store: dist.Store, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float
+    ) -> WeightTransferGroup:
+        """The rendezvous over a connected store (the address only names it in errors)."""
+        timeout = timedelta(seconds=timeout_s)
+        try:
             store = dist.PrefixStore(_STORE_PREFIX, tcp_store)
             # A store that outlives a group (multi-tenant, or a trainer that re-inits) still holds the previous
             # group's keys: count arrivals and give each group its own generation prefix.
-            arrived = store.add("arrived", 1)
+            arrived = store.add(_ARRIVED, 1)
             generation = (arrived - 1) // world_size
             ready = f"{generation}/ready"
             if arrived % world_size == 0:
                 store.set(ready, "1")
             store.wait([ready], timeout)
         except dist.DistError as e:
-            raise RuntimeError(
-                f"weight-transfer rendezvous at {master_address}:{master_port} (rank {rank} of {world_size}) did not "
-                f"complete within {timeout_s:g} s: {e}"
-            ) from e
+            raise _rendezvous_timeout(master_address, master_port, rank, world_size, timeout_s, e) from e
         return cls(dist.PrefixStore(str(generation), store), rank, world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
@@ -146,14 +167,17 @@ class WeightTransferGroup:
         self._backends.clear()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
-    """Rendezvous parameters. `world_size` counts the trainer's rank 0 and every inference worker; a worker's rank is
-    `rank_offset` + its index. The packed fields are vLLM G3's handshake-time wire parameters; G1/G2 trainers send
-    them per update instead, which takes precedence."""
+    """Rendezvous parameters, in one of vLLM 0.33's two forms: `master_address` + `master_port` (a TCPStore the
+    trainer, rank 0, serves: rlserve's trainer classes or vLLM's own, told apart by what the trainer writes to the
+    store), or `nccl_unique_id_b64` (standard base64 of the 128 bytes of an `ncclGetUniqueId` a torch-free trainer
+    minted; NCCL only, no store). `world_size` counts the trainer's rank 0 and every inference worker; a worker's
+    rank is `rank_offset` + its index. The packed fields are vLLM 0.33's handshake-time wire parameters; 0.24
+    trainers send them per update instead, which takes precedence."""
 
-    master_address: str
-    master_port: int
+    master_address: str | None = None
+    master_port: int | None = None
     world_size: int
     rank_offset: int = 1
     packed: bool = False
@@ -162,18 +186,37 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
     nccl_unique_id_b64: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.nccl_unique_id_b64 is not None:
-            refuse_nccl_unique_id()
-        if not isinstance(self.master_address, str) or not self.master_address:
-            raise ValueError(f"master_address must be a host name or address, got {self.master_address!r}")
-        if type(self.master_port) is not int or not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must be an int in 1..65535, got {self.master_port!r}")
+        if self.nccl_unique_id_b64 is None:
+            if not isinstance(self.master_address, str) or not self.master_address:
+                raise ValueError(
+                    f"master_address must be a host name or address (or pass nccl_unique_id_b64 instead), got "
+                    f"{self.master_address!r}"
+                )
+            if type(self.master_port) is not int or not 0 < self.master_port < 65536:
+                raise ValueError(f"master_port must be an int in 1..65535, got {self.master_port!r}")
+        else:
+            if self.master_address is not None or self.master_port is not None:
+                raise ValueError("nccl_unique_id_b64: pass it OR master_address/master_port, not both")
+            _ = self.nccl_unique_id_bytes
         if type(self.world_size) is not int or self.world_size < 2:
             raise ValueError(f"world_size must be an int >= 2 (trainer + workers), got {self.world_size!r}")
         if type(self.rank_offset) is not int or not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"rank_offset must be in 1..world_size-1, got {self.rank_offset!r}")
         if self.packed_buffer_size_bytes < 1 or self.packed_num_buffers < 1:
             raise ValueError("packed_buffer_size_bytes and packed_num_buffers must be >= 1")
+
+    @property
+    def nccl_unique_id_bytes(self) -> bytes | None:
+        if self.nccl_unique_id_b64 is None:
+            return None
+        try:
+            # Standard base64 only, as vLLM: a URL-safe encoding is refused rather than mis-decoded.
+            raw = base64.b64decode(self.nccl_unique_id_b64, validate=True)
+        except (ValueError, TypeError) as e:
+            raise ValueError("nccl_unique_id_b64 is not valid standard base64 (URL-safe base64 is not accepted)") from e
+        if len(raw) != NCCL_UNIQUE_ID_BYTES:
+            raise ValueError(f"nccl_unique_id_b64 must decode to {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+        return raw
 
 
 @dataclass
@@ -235,25 +278,24 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         super().__init__(config, device)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
-        self._group: WeightTransferGroup | None = None
+        self._group: TransferGroup | None = None
         self._init_info: NCCLWeightTransferInitInfo | None = None
         self._last_metadata: tuple[list[str], list[str], list[list[int]]] | None = None
         self._receiver = PackedReceiver()  # its CUDA streams serve every update, across re-inits
 
     @property
-    def group(self) -> WeightTransferGroup | None:
+    def group(self) -> TransferGroup | None:
         """The group joined by `init_transfer_engine` (None before it)."""
         return self._group
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until the trainer (rank 0) has called `trainer_init`."""
         self.shutdown()  # a second init (new trainer run) replaces the old group
-        self._group = join_worker_group(init_info, self.worker_index, self.timeout_s)
+        self._group = join_worker_group(init_info, self.worker_index, self.timeout_s, self.device)
         self._init_info = init_info
 
     def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
-        check_no_unique_id(init_info)
-        return super().parse_init_info(init_info)
+        return check_unique_id_device(super().parse_init_info(init_info), self.device)
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
         self._receive(update_info, load_weights)
@@ -341,31 +383,72 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             last_stream.synchronize()
 
 
-def refuse_nccl_unique_id() -> None:
-    raise ValueError(
-        "nccl_unique_id_b64: not supported; rlserve's weight-transfer group rendezvous over a TCPStore at "
-        "master_address/master_port (the same store also sets up gloo for CPU tensors), so a pre-shared NCCL unique "
-        "id has nothing to join: pass master_address and master_port"
-    )
-
-
-def check_no_unique_id(init_info: Any) -> None:
-    """Refuse `nccl_unique_id_b64` by name before a missing master_address would be reported instead."""
-    if isinstance(init_info, dict) and init_info.get("nccl_unique_id_b64") is not None:
-        refuse_nccl_unique_id()
+def check_unique_id_device(init_info: NCCLWeightTransferInitInfo, device: torch.device) -> NCCLWeightTransferInitInfo:
+    """Refuse the unique-id form where there is no NCCL, before anything waits for the trainer."""
+    if init_info.nccl_unique_id_b64 is not None and device.type != "cuda":
+        raise ValueError(
+            f"nccl_unique_id_b64: joining from an NCCL unique id needs NCCL, and this engine's weights are on "
+            f"{device}; rendezvous over master_address/master_port instead (gloo on CPU)"
+        )
+    return init_info
 
 
 def join_worker_group(
-    init_info: NCCLWeightTransferInitInfo, worker_index: int, timeout_s: float
-) -> WeightTransferGroup:
-    """An engine worker's place in the trainer's group: rank `rank_offset` + its index among the workers."""
+    init_info: NCCLWeightTransferInitInfo, worker_index: int, timeout_s: float, device: torch.device
+) -> TransferGroup:
+    """An engine worker's place in the trainer's group: rank `rank_offset` + its index among the workers. Which
+    trainer serves the store decides the protocol: vLLM's trainer (`StatelessProcessGroup` + `PyNcclCommunicator`)
+    publishes the NCCL unique id as its first broadcast; rlserve's counts arrivals under its own prefix."""
     rank = init_info.rank_offset + worker_index
-    return WeightTransferGroup.create(
-        init_info.master_address, init_info.master_port, rank, init_info.world_size, timeout_s
-    )
+    unique_id = init_info.nccl_unique_id_bytes
+    if unique_id is not None:
+        communicator = PyNcclCommunicator.from_unique_id_bytes(
+            unique_id, rank, init_info.world_size, device, timeout_s=timeout_s
+        )
+        return VLLMWireGroup(communicator)
+    assert init_info.master_address is not None and init_info.master_port is not None
+    address, port, world_size = init_info.master_address, init_info.master_port, init_info.world_size
+    try:
+        # Every rank passes world_size: vLLM's server waits in its constructor until all ranks have counted in.
+        store = connect_store(address, port, rank, world_size, timeout_s)
+        protocol = _trainer_protocol(store, timeout_s)
+    except (dist.DistError, TimeoutError) as e:
+        raise _rendezvous_timeout(address, port, rank, world_size, timeout_s, e) from e
+    if protocol == "rlserve":
+        return WeightTransferGroup.join(store, address, port, rank, world_size, timeout_s)
+    group = StatelessProcessGroup(rank, world_size, store)
+    return VLLMWireGroup(PyNcclCommunicator(group, device, timeout_s=timeout_s))
 
 
-def receive_broadcast(group: WeightTransferGroup, tensor: torch.Tensor, timeout_s: float) -> _ReceiveWork:
+def _trainer_protocol(store: dist.Store, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if store.check([_VLLM_UNIQUE_ID_KEY]):
+            return "vllm"
+        if store.check([_RLSERVE_ARRIVED_KEY]):
+            return "rlserve"
+        if time.monotonic() > deadline:
+            raise TimeoutError("the trainer joined the store but started neither rlserve's nor vLLM's handshake")
+        time.sleep(_PROTOCOL_POLL_S)
+
+
+class VLLMWireGroup:
+    """The receiving end of vLLM's group, shaped as `WeightTransferGroup` is for the receive path."""
+
+    def __init__(self, communicator: PyNcclCommunicator) -> None:
+        self.communicator = communicator
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
+        return self.communicator.broadcast_async(tensor, src)
+
+    def shutdown(self) -> None:
+        self.communicator.destroy()
+
+
+TransferGroup = WeightTransferGroup | VLLMWireGroup
+
+
+def receive_broadcast(group: TransferGroup, tensor: torch.Tensor, timeout_s: float) -> _ReceiveWork:
     """Start receiving `tensor` from the trainer; a trainer that never set up its side reads as TRAINER_LOST."""
     try:
         return _ReceiveWork(group.broadcast(tensor, src=0), timeout_s)
@@ -378,7 +461,7 @@ class _ReceiveWork:
     died: gloo's "Connection closed by peer") or sent nothing within the timeout. Both backends raise a plain
     RuntimeError; the engine abandons the update on TRAINER_LOST."""
 
-    def __init__(self, work: dist.Work, timeout_s: float) -> None:
+    def __init__(self, work: Work, timeout_s: float) -> None:
         self.work = work
         self.timeout_s = timeout_s
 
@@ -391,6 +474,15 @@ class _ReceiveWork:
 
 def _trainer_lost(error: BaseException, timeout_s: float) -> ConnectionError:
     return ConnectionError(f"the trainer (rank 0) is gone or sent nothing within {timeout_s:g} s: {error}")
+
+
+def _rendezvous_timeout(
+    address: str, port: int, rank: int, world_size: int, timeout_s: float, error: BaseException
+) -> RuntimeError:
+    return RuntimeError(
+        f"weight-transfer rendezvous at {address}:{port} (rank {rank} of {world_size}) did not complete within "
+        f"{timeout_s:g} s: {error}"
+    )
 
 
 def _first_set(value: int | None, default: int) -> int:
@@ -420,8 +512,9 @@ class NCCLTrainerInitInfo(TrainerInitInfo):
     def worker_init_info(self) -> dict[str, Any]:
         """The engine's init_info: its workers take the ranks after the trainer's."""
         info = NCCLWeightTransferInitInfo(
-            self.master_address, self.master_port, self.world_size, 1, self.packed, self.packed_buffer_size_bytes,
-            self.packed_num_buffers,
+            master_address=self.master_address, master_port=self.master_port, world_size=self.world_size,
+            rank_offset=1, packed=self.packed, packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+            packed_num_buffers=self.packed_num_buffers,
         )  # fmt: skip
         return {k: v for k, v in asdict(info).items() if v is not None}
 

@@ -38,8 +38,9 @@ from rlserve.weight_transfer.base import (
 from rlserve.weight_transfer.nccl import (
     DEFAULT_TIMEOUT_S,
     NCCLWeightTransferInitInfo,
+    TransferGroup,
     WeightTransferGroup,
-    check_no_unique_id,
+    check_unique_id_device,
     join_worker_group,
     receive_broadcast,
 )
@@ -140,10 +141,9 @@ class SparseNCCLWeightTransferEngine(
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.timeout_s = timeout_s
-        self._group: WeightTransferGroup | None = None
+        self._group: TransferGroup | None = None
 
     def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
-        check_no_unique_id(init_info)
         tp = getattr(self.model, "tp", None)
         if tp is not None and tp.size > 1:
             # A patch's flat indices address whole checkpoint tensors; a rank holds a slice of each.
@@ -152,7 +152,7 @@ class SparseNCCLWeightTransferEngine(
         if ep is not None and ep.size > 1:
             # A patch of another rank's expert would be checked against a tensor this rank does not hold.
             raise ValueError("sparse_nccl: not with enable_expert_parallel yet (a rank holds only its experts)")
-        info = super().parse_init_info(init_info)
+        info = check_unique_id_device(super().parse_init_info(init_info), self.device)
         if info.packed:
             raise ValueError(
                 "Invalid init_info for SparseNCCLWeightTransferEngine: packed: sparse updates are never packed"
@@ -163,7 +163,7 @@ class SparseNCCLWeightTransferEngine(
         self.shutdown()
         parallel = self.parallel_config
         index = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        self._group = join_worker_group(init_info, index, self.timeout_s)
+        self._group = join_worker_group(init_info, index, self.timeout_s, self.device)
 
     def receive_weights(self, update_info: SparseNCCLWeightTransferUpdateInfo) -> None:
         patches = self._receive_patches(update_info)

@@ -53,7 +53,7 @@ def _trainer(port: int, queue: mp.Queue) -> None:
 
 
 def test_member_receives_typed_broadcasts_from_a_pynccl_style_trainer() -> None:
-    from rlserve.weight_transfer.stateless_group import StatelessGroupMember
+    from rlserve.weight_transfer.framework_group import StatelessGroupMember
 
     port = free_port()
     ctx = mp.get_context("spawn")

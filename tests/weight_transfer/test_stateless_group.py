@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from rlserve.weight_transfer.stateless_group import NcclUniqueId, decode_store_object
+from rlserve.weight_transfer.nccl_library import ncclUniqueId
+from rlserve.weight_transfer.stateless_group import decode_store_value
 
 VLLM_WRAPPER = "vllm.distributed.device_communicators.pynccl_wrapper"
 
@@ -20,7 +21,7 @@ VLLM_WRAPPER = "vllm.distributed.device_communicators.pynccl_wrapper"
 def test_prime_rl_metadata_is_restored() -> None:
     # prime-rl 559b4477 broadcast_state_dict: {dtype: [(key, value.shape, value.numel())]}
     metadata = {torch.bfloat16: [("model.norm.weight", torch.Size([64]), 64)], torch.float32: []}
-    assert decode_store_object(pickle.dumps(metadata)) == metadata
+    assert decode_store_value(pickle.dumps(metadata)) == metadata
 
 
 def test_vllms_unique_id_is_restored_as_rlserves(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,8 +34,8 @@ def test_vllms_unique_id_is_restored_as_rlserves(monkeypatch: pytest.MonkeyPatch
     sys.modules[VLLM_WRAPPER].ncclUniqueId = vllm_id
     sent = vllm_id()
     ctypes.memmove(sent.internal, os.urandom(128), 128)
-    received = decode_store_object(pickle.dumps(sent))
-    assert isinstance(received, NcclUniqueId) and bytes(received.internal) == bytes(sent.internal)
+    received = decode_store_value(pickle.dumps(sent))
+    assert isinstance(received, ncclUniqueId) and bytes(received.internal) == bytes(sent.internal)
 
 
 class _Exploit:
@@ -44,10 +45,10 @@ class _Exploit:
 
 @pytest.mark.parametrize("obj", [_Exploit(), types.SimpleNamespace(a=1), ctypes.c_int(3)])
 def test_anything_else_is_refused(obj: object) -> None:
-    with pytest.raises(ValueError, match="store holds"):
-        decode_store_object(pickle.dumps(obj))
+    with pytest.raises(ValueError, match="weight-transfer store"):
+        decode_store_value(pickle.dumps(obj))
 
 
 def test_garbage_is_a_value_error() -> None:
     with pytest.raises(ValueError):
-        decode_store_object(b"\x80\x04not a pickle")
+        decode_store_value(b"\x80\x04not a pickle")

@@ -155,12 +155,22 @@ def test_engine_side_class_shapes_of_both_generations() -> None:
     assert got[0][0] == "w"
 
 
-def test_nccl_unique_id_is_refused_by_name() -> None:
+def test_nccl_unique_id_needs_nccl_and_is_validated_by_name() -> None:
+    """vLLM 0.33's rules (nccl_common.decode_nccl_unique_id): one rendezvous form, standard base64 of 128 bytes;
+    on a CPU engine (no NCCL) a well-formed id is refused by name before anything waits for the trainer."""
     uid = base64.b64encode(bytes(128)).decode()
+    bad = {
+        "needs NCCL": {"nccl_unique_id_b64": uid},
+        "not both": {"nccl_unique_id_b64": uid, "master_address": "127.0.0.1", "master_port": 29500},
+        "URL-safe base64 is not accepted": {"nccl_unique_id_b64": base64.urlsafe_b64encode(b"\xfb" * 128).decode()},
+        "must decode to 128 bytes, got 127": {"nccl_unique_id_b64": base64.b64encode(bytes(127)).decode()},
+        "master_address must be": {},
+    }
     for backend in ("nccl", "sparse_nccl"):
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend), CPU, model=_Into())
-        with pytest.raises(ValueError, match="nccl_unique_id_b64: not supported"):
-            engine.parse_init_info({"nccl_unique_id_b64": uid, "world_size": 2, "rank_offset": 1})
+        for message, fields in bad.items():
+            with pytest.raises(ValueError, match=message):
+                engine.parse_init_info({**fields, "world_size": 2, "rank_offset": 1})
 
 
 def test_sparse_delta_counts_bits_and_commits() -> None:

@@ -42,7 +42,7 @@ def _meta(**extra: object) -> dict[str, object]:
 
 def test_nccl_init_info_parses_g1_and_g3_shapes() -> None:
     g1 = _nccl().parse_init_info({"master_address": "127.0.0.1", "master_port": 29500, "world_size": 2})
-    assert g1 == NCCLWeightTransferInitInfo("127.0.0.1", 29500, 2, rank_offset=1)
+    assert g1 == NCCLWeightTransferInitInfo(master_address="127.0.0.1", master_port=29500, world_size=2, rank_offset=1)
     g3 = _nccl().parse_init_info(
         {
             "master_address": "h",

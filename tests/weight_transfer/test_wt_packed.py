@@ -52,9 +52,11 @@ def test_plan_buckets_closes_after_exceeding() -> None:
     assert plan_buckets([50, 50, 1], 100) == [[0, 1, 2]]  # exactly at the budget does not close
 
 
-def test_plan_buckets_oversized_tensor_is_alone() -> None:
-    assert plan_buckets([10, 500, 10], 100) == [[0], [1], [2]]
-    assert plan_buckets([500], 100) == [[0]]
+def test_plan_buckets_oversized_tensor_closes_the_bucket_it_joined() -> None:
+    # vLLM 0.24.0/0.33.0 packed_tensor.pack_tensors: append, then close once the total exceeds the budget; a
+    # tensor larger than the budget joins the open bucket rather than travelling alone.
+    assert plan_buckets([10, 500, 10], 100) == [[0, 1], [2]]
+    assert plan_buckets([500, 10], 100) == [[0], [1]]
 
 
 def test_plan_buckets_many_small_tensors() -> None:
