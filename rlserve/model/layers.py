@@ -204,9 +204,11 @@ class ShardedWeights:
             return self.shard_slice(param_name, shard_id, rank)
         return _scale_slice(self.shard_slice("weight", shard_id, rank), scheme)
 
-    def check_fp8_blocks(self) -> None:
+    def check_fp8_blocks(self, on_cuda: bool = False) -> None:
         """Block-wise FP8 needs every checkpoint tensor's part on this rank to be whole 128x128 blocks: a block across
-        two tensors of a fused layer (or two ranks) would have no one scale."""
+        two tensors of a fused layer (or two ranks) would have no one scale. On CUDA, torch's block-scaled scaled_mm
+        (cuBLASLt) also needs the input features in whole groups of four blocks (seen on the H200, torch 2.11: it
+        asks for the weight scales padded to a multiple of 4 rows of in/128)."""
         for shard_id in self.shard_ids or (None,):
             sl = self.shard_slice("weight", shard_id, self.tp.rank)
             rows = sl.full_shape[0] if sl.length is None or sl.dim != 0 else sl.length
@@ -217,6 +219,13 @@ class ShardedWeights:
                     f"and rank) to be multiples of 128; {shard_id or type(self).__name__} has {rows}x{cols} here "
                     "(fbgemm_fp8, per-channel, has no such constraint)"
                 )
+        cols = self.weight.shape[1]  # type: ignore[attr-defined]
+        if on_cuda and cols % (4 * BLOCK):
+            raise ValueError(
+                f"quantization fp8: on CUDA, block-wise FP8 needs a projection's input features to be a multiple of "
+                f"{4 * BLOCK} (cuBLASLt's block-scaled GEMM); {type(self).__name__} has {cols} (fbgemm_fp8, "
+                "per-channel, has no such constraint)"
+            )
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:

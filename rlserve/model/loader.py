@@ -90,7 +90,7 @@ def build_model(
     with torch.device("meta"):
         model = MODEL_CLASSES[spec.architecture](spec, rotary, tp, **extra)
         if fp8 is not None:
-            model.quantize_fp8(fp8)
+            model.quantize_fp8(fp8, on_cuda=device.type == "cuda")
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():

@@ -129,6 +129,10 @@ def test_fused_projection_quantizes_each_checkpoint_tensor_in_its_own_blocks() -
         odd = MergedColumnParallelLinear(256, {"gate_proj": 96, "up_proj": 96}, False, TensorParallelGroup())
     with pytest.raises(ValueError, match="multiples of 128; gate_proj has 96x256"):
         odd.check_fp8_blocks()
+    # CUDA's block-scaled GEMM takes the input features in groups of 4 blocks: 256 is whole blocks, not 512s.
+    layer.check_fp8_blocks(on_cuda=False)
+    with pytest.raises(ValueError, match="on CUDA, block-wise FP8 needs .* a multiple of 512.* has 256"):
+        layer.check_fp8_blocks(on_cuda=True)
     odd.quantize_fp8(PER_CHANNEL)  # per-channel has no block constraint
     assert odd.slice_of("weight_scale", "up_proj", 0).offset == 96
 

@@ -236,9 +236,10 @@ class DecoderForCausalLM(nn.Module):
         """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
         return MLP(self.spec, self.tp)
 
-    def quantize_fp8(self, scheme: Fp8Scheme) -> None:
+    def quantize_fp8(self, scheme: Fp8Scheme, on_cuda: bool = False) -> None:
         """Make the decoder layers' dense projections FP8 (rlserve.model.fp8); the LM head and embeddings stay in the
-        model dtype. Called on the meta device, before the loader gives parameters storage."""
+        model dtype. Called on the meta device, before the loader gives parameters storage; `on_cuda`: for a CUDA
+        device, whose block-scaled GEMM constrains the shapes further."""
         if self.spec.moe is not None:
             raise ValueError(
                 f"quantization {scheme.method}: {self.spec.architecture} is a MoE model, and FP8 experts (the fused "
@@ -246,7 +247,7 @@ class DecoderForCausalLM(nn.Module):
             )
         for module in self._lora_targets():
             if scheme.block_wise:
-                module.check_fp8_blocks()
+                module.check_fp8_blocks(on_cuda)
             module.quantize_fp8(scheme)
 
     def _fp8_module(self, name: str) -> Linear | None:
