@@ -42,7 +42,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.server.access import confined_dir
-from rlserve.server.generate_protocol import GenerateRequest
+from rlserve.server.generate_protocol import GenerateRequest, parse_body
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_OFF, LoadLoRAAdapterRequest, LoRAAdapters
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel
@@ -139,7 +139,7 @@ def build_framework_router(
     allowed_dirs: Collection[str],
 ) -> APIRouter:
     """prime-rl's and PipelineRL's routes: behind the RL key (the server's access guard), but /liveness."""
-    router = APIRouter(tags=["frameworks"])
+    router = APIRouter(tags=["rl", "frameworks"])
 
     @router.post("/init_broadcaster")
     async def init_broadcaster(body: InitBroadcasterRequest) -> dict[str, str]:
@@ -310,9 +310,8 @@ def build_skyrl_router(serving: OpenAIServing, allowed_dirs: Collection[str], ru
         ({"data": base64, "shape": [tokens, layers, top_k], "dtype"}); refused with --enable-lora, as SkyRL does."""
         if engine.config.enable_lora:
             raise APIError(400, "/skyrl/v1/generate does not support LoRA (SkyRL's own rule).", "model")
-        request = GenerateRequest(
-            token_ids=body.token_ids, sampling_params=body.sampling_params, model=body.model, cache_salt=body.cache_salt
-        )
+        # GenerateRequest's own checks (cache_salt's length, ...), a 400 naming the field like /inference/v1/generate's.
+        request = parse_body(body.model_dump(exclude_none=True), GenerateRequest)
         response = await serving.generate_tokens(request, raw)
         if response.status_code != 200:  # the client went away
             return response

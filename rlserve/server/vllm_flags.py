@@ -577,7 +577,7 @@ class _VllmFlagAction(argparse.Action):
 
 def _help(decision: NoOp | Refused) -> str:
     if isinstance(decision, NoOp):
-        return f"accepted, no effect: {decision.reason}"
+        return f"accepted, no effect (default: not given): {decision.reason}"
     accepted = f" (accepted: {', '.join(decision.accepted)})" if decision.accepted else ""
     return f"refused: {decision.reason}{accepted}"
 
@@ -629,5 +629,5 @@ def _add_aliases(parser: argparse.ArgumentParser, flag: VllmFlag, decision: Impl
                 nargs=target.nargs,
                 metavar=target.metavar,
                 default=argparse.SUPPRESS,
-                help=f"vLLM's spelling of {target.option_strings[0]}",
+                help=f"vLLM's spelling of {target.option_strings[0]} (default: that flag's)",
             )

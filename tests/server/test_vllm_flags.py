@@ -108,7 +108,7 @@ def test_every_no_op_flag_is_accepted_changes_nothing_and_says_why(
                 assert parse(serve_parser, option, *given_values(flag, "1"), "m").model == plain["model"], option
     serve_parser.print_help()
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "accepted, no effect: rlserve serves text-only models" in help_text
+    assert "accepted, no effect (default: not given): rlserve serves text-only models" in help_text
 
 
 def test_every_refused_flag_names_itself_and_the_reason(
