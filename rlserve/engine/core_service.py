@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from rlserve.dtypes import dtype_from_name
@@ -209,6 +210,9 @@ class EngineCoreService:
         self._route(outputs)
 
     def _add(self, client: ClientId, message: AddRequest) -> None:
+        message = self._without_taken_ids(client, message)
+        if not message.request_ids:
+            return
         if self.failure is not None:
             self._route(self._refused(message.request_ids))
             return
@@ -229,6 +233,20 @@ class EngineCoreService:
             except ValueError as e:  # the front end validated it; a duplicate id, an adapter that fails to load
                 logger.exception("refused request %s", request_id)
                 self._route(self._refused([request_id], str(e)))
+
+    def _without_taken_ids(self, client: ClientId, message: AddRequest) -> AddRequest:
+        """`message` less the samples whose id a running request holds, each refused to `client` alone: with several
+        API servers a client's id can collide with another server's request, whose outputs re-owning the id would
+        send here (and the refusal would then drop them: that request would never end)."""
+        taken = [rid for rid in message.request_ids if rid in self.owners]
+        if not taken:
+            return message
+        for rid in taken:
+            self.transport.send_outputs(client, self._refused([rid], f"request_id: {rid!r} is already in use"))
+        kept = [i for i, rid in enumerate(message.request_ids) if rid not in self.owners]
+        return msgspec.structs.replace(
+            message, request_ids=[message.request_ids[i] for i in kept], params=[message.params[i] for i in kept]
+        )
 
     def _refused(
         self, request_ids: list[str], error: str | None = None, retryable: bool = False

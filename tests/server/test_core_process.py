@@ -175,3 +175,31 @@ def test_sigterm_to_the_server_ends_streams_with_an_error_and_exits_0(start_serv
     # The pending call ended as an answer or a closed connection, not as an unhandled exception (issue 28).
     log = server.log_tail(100_000)
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+
+
+def test_an_id_taken_on_another_api_server_leaves_the_running_request_alone(start_server):
+    """Two API servers, one core: a client id that collides with a request running through the other server is
+    refused, and the running request still ends. Before the fix the core gave the id's outputs to the newcomer and,
+    refusing it, dropped them: the running stream never ended."""
+    server = start_server("--api-server-count", "2", "--enable-rl-api")
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "request_id": "held"}
+    stream = Stream()
+
+    async def held() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await read_stream(client, "/v1/completions", body, into=stream, headers=server.headers)
+
+    reader = threading.Thread(target=lambda: asyncio.run(held()))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while stream.tokens_so_far == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stream.tokens_so_far > 0
+    post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, timeout=30, **kw)  # noqa: E731
+    # Fresh connections while it runs: the kernel spreads them over both servers, so some reach the core from the other.
+    answers = {post("/v1/completions", json={**body, "stream": False}).status_code for _ in range(12)}
+    assert stream.finished_at is None, "the running request ended before the collisions: make it longer"
+    reader.join(60)
+    assert not reader.is_alive(), "the running request never ended"
+    assert answers <= {409, 503}, answers
+    assert stream.only.finish_reasons == ["length"] and stream.only.num_tokens == 400 and not stream.errors
