@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -287,7 +288,7 @@ def _stats(values: list[float]) -> str:
     return f"{statistics.median(values) * 1000:.0f} / {max(values) * 1000:.0f} ms (n={len(values)})"
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="tiny")
@@ -300,67 +301,91 @@ def main() -> int:
     parser.add_argument("--hold-s", type=float, default=1.0, help="seconds between control calls")
     parser.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trainer-worker", nargs=3, metavar=("PORT", "CHECKPOINT", "SEND"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.client_worker:
-        asyncio.run(_client_worker())
-        return 0
-    if args.trainer_worker:
-        port, checkpoint, send = args.trainer_worker
-        _trainer_worker(int(port), checkpoint, int(send))
-        return 0
+    return parser.parse_args()
 
+
+def _full_update_info(checkpoint: Path) -> dict:
+    """/update_weights' body for every tensor of the checkpoint, one tensor per bucket (a trainer dying part-way
+    leaves some written)."""
     from safetensors.torch import load_file
 
     from rlserve.dtypes import dtype_name
-    from rlserve.toy import make_model_dir
 
-    workdir = Path(tempfile.mkdtemp(prefix="rlserve-load-"))
-    model_dir = make_model_dir(workdir / "toy", preset=args.preset)
-    checkpoint = model_dir / "model.safetensors"
     weights = load_file(checkpoint)
     names = sorted(weights)
-    update_info = {
+    return {
         "names": names,
         "dtype_names": [dtype_name(weights[n].dtype) for n in names],
         "shapes": [list(weights[n].shape) for n in names],
-        "packed_buffer_size_bytes": 1,  # one tensor per bucket: a trainer dying part-way leaves some written
+        "packed_buffer_size_bytes": 1,
         "packed_num_buffers": 1,
     }
-    proc, url, server_log = _start_server(args, model_dir, workdir)
+
+
+def _start_clients(args: argparse.Namespace, url: str, clients: list[subprocess.Popen]) -> None:
+    """Starts the client processes (into `clients`, which the caller kills however this ends) and sets them going
+    once every one is ready."""
+    per = -(-args.clients // args.client_processes)
+    for _ in range(args.client_processes):
+        job = {"url": url, "connections": per, "max_tokens": args.max_tokens}
+        worker = subprocess.Popen(
+            [sys.executable, __file__, "--client-worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        worker.stdin.write(json.dumps(job) + "\n")
+        worker.stdin.flush()
+        clients.append(worker)
+    for worker in clients:
+        if worker.stdout.readline().strip() != "ready":
+            raise RuntimeError("a client process failed to start")
+    for worker in clients:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+
+
+def _stop_clients(clients: list[subprocess.Popen], log: list[str]) -> Counter[str]:
+    """Stops the client processes and adds up their requests' fates (a lost request's reason goes to `log`)."""
+    for worker in clients:
+        worker.stdin.write("stop\n")
+        worker.stdin.flush()
+    fates: Counter[str] = Counter()
+    for worker in clients:
+        line = worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a client process failed (exit {worker.wait(CLIENT_STOP_TIMEOUT_S)})")
+        for fate, count in json.loads(line).items():
+            fates[fate.split(":")[0]] += count
+            if ":" in fate:  # a lost request's reason
+                log.append(f"{count} x {fate}")
+    return fates
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    """What one run under load came to."""
+
+    fates: Counter[str]
+    latencies: dict[str, list[float]]  # the control calls', by kind
+    log: list[str]
+    elapsed_s: float
+    rss_start_mib: float
+    rss_end_mib: float
+    final_status: int  # of a completion after the load
+    health: int
+
+
+def _run_under_load(
+    args: argparse.Namespace, server_pid: int, url: str, checkpoint: Path, update_info: dict
+) -> LoadRun:
+    """The clients stream while the controller cycles; then a last completion and /health."""
     clients: list[subprocess.Popen] = []
     try:
-        rss_start = _tree_rss_mib(proc.pid)
-        per = -(-args.clients // args.client_processes)
-        for _ in range(args.client_processes):
-            job = {"url": url, "connections": per, "max_tokens": args.max_tokens}
-            worker = subprocess.Popen(
-                [sys.executable, __file__, "--client-worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            worker.stdin.write(json.dumps(job) + "\n")
-            worker.stdin.flush()
-            clients.append(worker)
-        for worker in clients:
-            if worker.stdout.readline().strip() != "ready":
-                raise RuntimeError("a client process failed to start")
-        for worker in clients:
-            worker.stdin.write("go\n")
-            worker.stdin.flush()
+        rss_start = _tree_rss_mib(server_pid)
+        _start_clients(args, url, clients)
         started = time.perf_counter()
         control = asyncio.run(_control(args, url, checkpoint, update_info))
-        for worker in clients:
-            worker.stdin.write("stop\n")
-            worker.stdin.flush()
-        fates: Counter[str] = Counter()
-        for worker in clients:
-            line = worker.stdout.readline()
-            if not line:
-                raise RuntimeError(f"a client process failed (exit {worker.wait(CLIENT_STOP_TIMEOUT_S)})")
-            for fate, count in json.loads(line).items():
-                fates[fate.split(":")[0]] += count
-                if ":" in fate:  # a lost request's reason
-                    control["log"].append(f"{count} x {fate}")
+        fates = _stop_clients(clients, control["log"])
         elapsed = time.perf_counter() - started
-        rss_end = _tree_rss_mib(proc.pid)
+        rss_end = _tree_rss_mib(server_pid)
         final = httpx.post(
             f"{url}/v1/completions",
             json={"model": MODEL_NAME, "prompt": "still there?", "max_tokens": 4},
@@ -372,28 +397,31 @@ def main() -> int:
         for worker in clients:
             worker.kill()
             worker.wait()
-        _stop_group(proc)
+    return LoadRun(fates, control["latencies"], control["log"], elapsed, rss_start, rss_end, final.status_code, health)
 
-    latencies = control["latencies"]
+
+def _report(args: argparse.Namespace, run: LoadRun, server_log: Path) -> bool:
+    """Prints the log and the table; whether the run passed."""
+    fates, latencies = run.fates, run.latencies
     updates_done = len(latencies["update"]) - (1 if args.kill_cycle < args.cycles else 0)
     ok = (
         fates["lost"] == 0
         and fates["duplicated"] == 0
         and fates["5xx"] == 0
-        and final.status_code == 200
-        and health == 200
+        and run.final_status == 200
+        and run.health == 200
     )
-    for line in control["log"]:
+    for line in run.log:
         print(line)
     print(f"server log: {server_log}")
     print(
         f"\ncontrol plane under load: {args.clients} streaming clients in {args.client_processes} processes, "
         f"max_tokens {args.max_tokens}, {args.cycles} cycles, device {args.device}, preset {args.preset}, "
-        f"{elapsed:.0f} s"
+        f"{run.elapsed_s:.0f} s"
     )
     print("| figure | value |\n|---|---|")
     total = sum(fates.values())
-    print(f"| requests | {total} ({total / elapsed:.0f}/s) |")
+    print(f"| requests | {total} ({total / run.elapsed_s:.0f}/s) |")
     for fate in ("done", "aborted", "refused", "lost", "duplicated", "5xx", "4xx"):
         print(f"| {fate} | {fates[fate]} |")
     for mode in MODES:
@@ -401,10 +429,34 @@ def main() -> int:
     print(f"| resume, median / max | {_stats(latencies['resume'])} |")
     print(f"| full updates (trainer process start to resume), median / max | {_stats(latencies['update'])} |")
     print(f"| updates completed / killed mid-update | {updates_done} / {int(args.kill_cycle < args.cycles)} |")
-    print(f"| server RSS, start -> end | {rss_start:.0f} -> {rss_end:.0f} MiB |")
-    print(f"| final completion / health | {final.status_code} / {health} |")
+    print(f"| server RSS, start -> end | {run.rss_start_mib:.0f} -> {run.rss_end_mib:.0f} MiB |")
+    print(f"| final completion / health | {run.final_status} / {run.health} |")
     print(f"| verdict | {'PASS' if ok else 'FAIL'} |")
-    return 0 if ok else 1
+    return ok
+
+
+def main() -> int:
+    args = _parse_args()
+    if args.client_worker:
+        asyncio.run(_client_worker())
+        return 0
+    if args.trainer_worker:
+        port, checkpoint, send = args.trainer_worker
+        _trainer_worker(int(port), checkpoint, int(send))
+        return 0
+
+    from rlserve.toy import make_model_dir
+
+    workdir = Path(tempfile.mkdtemp(prefix="rlserve-load-"))
+    model_dir = make_model_dir(workdir / "toy", preset=args.preset)
+    checkpoint = model_dir / "model.safetensors"
+    update_info = _full_update_info(checkpoint)
+    proc, url, server_log = _start_server(args, model_dir, workdir)
+    try:
+        run = _run_under_load(args, proc.pid, url, checkpoint, update_info)
+    finally:
+        _stop_group(proc)
+    return 0 if _report(args, run, server_log) else 1
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 from roofline import Step, measure_ceilings, schedule_of
 from throughput import hf_generate_tok_s
 from transformers import AutoConfig
-from workloads import W1_ENGINE, run_engine, workloads
+from workloads import W1_ENGINE, run_engine, w1_shape, workloads
 
 from rlserve import LLM
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
@@ -134,7 +134,7 @@ def run_hf_random(cfg: AutoConfig, device: torch.device, dtype: torch.dtype, bat
     return hf_generate_tok_s(model, device, "dynamic", batch, in_len, out_len)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b-shape", choices=["qwen3-30b-a3b-shape", "small-moe", "tiny-moe"])
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of W1's prompts (CPU runs)")
@@ -143,20 +143,24 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     add_engine_arguments(ap, defaults={"device": "cuda" if torch.cuda.is_available() else "cpu", **W1_ENGINE})
     args = ap.parse_args()
-    device = torch.device(args.device)
     if "dtype" not in vars(args):
-        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     workdir = Path(tempfile.mkdtemp(prefix="rlserve-moe-bench-"))
     cfg = write_sparse_checkpoint(workdir / "model", args.preset, dtype)
     ceilings = measure_ceilings(device)
     bw, flops = ceilings.bandwidth, ceilings.matmul_flops
     print(f"ceilings: copy {bw / 1e12:.3f} TB/s, matmul {flops / 1e12:.1f} TFLOP/s", flush=True)
-    in_len = max(4, int(256 * args.scale**0.5))
     hf_tok_s = None
     if args.hf_batch:  # first, while the GPU is empty
         t0 = time.perf_counter()
-        hf_tok_s = run_hf_random(cfg, device, dtype, args.hf_batch, in_len, args.hf_tokens)
+        hf_tok_s = run_hf_random(cfg, device, dtype, args.hf_batch, w1_shape(args.scale).prompt_len, args.hf_tokens)
         print(json.dumps(dict(baseline="hf-dynamic", batch=args.hf_batch, tok_s=hf_tok_s,
                               seconds_with_init=time.perf_counter() - t0)), flush=True)  # fmt: skip
     os.environ["RLSERVE_ENABLE_MULTIPROCESSING"] = "0"  # the runner's model and steps are read in this process

@@ -35,16 +35,8 @@ from pathlib import Path
 import torch
 
 from rlserve.dtypes import TORCH_DTYPES
-from rlserve.rl.parity import (
-    HEAD_SCALES,
-    SCENARIOS,
-    format_table,
-    make_peaked_model_dir,
-    peakedness,
-    random_prompts,
-    row_setups,
-    run_parity,
-)
+from rlserve.rl.parity import HEAD_SCALES, SCENARIOS, make_peaked_model_dir, peakedness, random_prompts, run_parity
+from rlserve.rl.parity_report import format_table, row_setups
 from rlserve.rl.trainer_logprobs import ParityStats
 
 MODE_NAMES = {

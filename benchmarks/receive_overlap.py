@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from weight_sync import MIB, MODELS, make_weights
+from weight_sync_shared import MIB, MODELS, make_weights
 
 from rlserve.weight_transfer import plan_buckets
 from rlserve.weight_transfer.packed import PackedReceiver, TensorMeta, pack_tensors, unpack_tensors

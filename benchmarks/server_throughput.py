@@ -36,8 +36,9 @@ from pathlib import Path
 import httpx
 import torch
 from w7_clients import send_all
+from workloads import w1_sampling, w7_prompts
 
-from rlserve import LLM, SamplingParams
+from rlserve import LLM
 from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwargs
 from rlserve.engine.dp_lockstep import free_port
 from rlserve.toy import make_model_dir
@@ -45,12 +46,6 @@ from rlserve.toy import make_model_dir
 SERVER_START_TIMEOUT_S = 600.0
 CLIENTS = Path(__file__).with_name("w7_clients.py")
 CLIENT_TIMEOUT_S = 30.0  # for a client process to exit after its result
-
-
-def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    # Leave the top ids out: the toy tokenizer's special tokens sit there.
-    return torch.randint(0, vocab - 3, (num, length), generator=g).tolist()
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -68,7 +63,7 @@ def progress(message: str) -> None:
 def run_offline(model_dir: str, args: argparse.Namespace, prompt_sets: list[list[list[int]]]) -> list[float]:
     llm = LLM(model_dir, **engine_args(args))
     progress("offline engine started")
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
+    params = w1_sampling(args.output_len)
     llm.generate([{"prompt_token_ids": p} for p in prompt_sets[0][:4]], params, use_tqdm=False)  # warm-up
     rates = []
     for prompts in prompt_sets[1:]:
@@ -238,7 +233,7 @@ def main() -> int:
         model_dir = str(make_model_dir(path, preset=args.preset, dtype=getattr(torch, args.dtype)))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     # Set 0 warms up; sets 1..repeats are measured, the same ones on both sides.
-    prompt_sets = [make_prompts(args.num_prompts, args.input_len, vocab, seed) for seed in range(args.repeats + 1)]
+    prompt_sets = [w7_prompts(args.num_prompts, args.input_len, vocab, seed) for seed in range(args.repeats + 1)]
 
     variants = [_parse_variant(v) for v in args.variant] or [(args.stream, tuple(args.server_arg))]
     offline = run_offline(model_dir, args, prompt_sets)

@@ -27,8 +27,17 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from roofline import measure_ceilings, model_cost, recording, roofline_seconds, schedule_of, timed
-from workloads import W1_ENGINE, run_engine, workloads
+from roofline import (
+    Ceilings,
+    ModelCost,
+    measure_ceilings,
+    model_cost,
+    recording,
+    roofline_seconds,
+    schedule_of,
+    timed,
+)
+from workloads import W1_ENGINE, run_engine, w1_shape, workloads
 
 from rlserve import LLM, SamplingParams
 from rlserve.engine.args import add_engine_arguments, engine_kwargs
@@ -128,7 +137,7 @@ def hf_generate_tok_s(model, device: torch.device, mode: str, batch: int, in_len
     return batch * out_len / seconds
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-0.6b-shape")
     ap.add_argument(
@@ -157,42 +166,39 @@ def main() -> int:
         defaults={"device": "cuda" if torch.cuda.is_available() else "cpu", **W1_ENGINE},
     )
     args = ap.parse_args()
-    device = torch.device(args.device)
     if "dtype" not in vars(args):
-        args.dtype = "bfloat16" if device.type == "cuda" else "float32"
-    dtype_name = args.dtype
-    dtype = getattr(torch, dtype_name)
+        args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
+    return args
 
-    model_dir = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=dtype))
-    ceilings = measure_ceilings(device)
-    print(
-        f"ceilings: bandwidth {ceilings.bandwidth / 1e12:.3f} TB/s, matmul {ceilings.matmul_flops / 1e12:.1f} TFLOP/s",
-        flush=True,
-    )
-    # Hugging Face first, while the GPU is empty; the engine then takes the memory it sizes its cache from.
-    hf_rows = []
+
+def hf_baselines(args: argparse.Namespace, model_dir: str, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The Hugging Face baselines asked for, W1-shaped; one that fails is reported and left out."""
+    rows = []
+    shape = w1_shape(args.scale)
     for mode in [m for m in args.hf.split(",") if m and m != "none"]:
-        in_len = max(4, int(256 * args.scale**0.5))
+        batch = min(args.hf_batch, shape.num_prompts)
         try:
-            tok_s = run_hf(
-                model_dir, device, dtype, mode, min(args.hf_batch, max(1, int(1024 * args.scale))), in_len, in_len
-            )
+            tok_s = run_hf(model_dir, device, dtype, mode, batch, shape.prompt_len, shape.output_len)
         except Exception as e:  # a baseline that breaks must not cost the engine's own figures
             print(f"hf-{mode} failed: {e!r}"[:400], flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        hf_rows.append(dict(baseline=f"hf-{mode}", tok_s=tok_s))
-        print(json.dumps(hf_rows[-1]), flush=True)
-    # The core in this process: the benchmark records the schedule from the runner, reads the model's size and the
-    # prefix-cache counters off the core, and switches async scheduling per workload on the core's config.
+        rows.append(dict(baseline=f"hf-{mode}", tok_s=tok_s))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def start_engine(model_dir: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[LLM, ModelCost]:
+    """The engine with its core in this process: the benchmark records the schedule from the runner, reads the
+    model's size and the prefix-cache counters off the core, and switches async scheduling per workload on the core's
+    config."""
     os.environ["RLSERVE_ENABLE_MULTIPROCESSING"] = "0"
     t0 = time.perf_counter()
     llm = LLM(model_dir, **engine_kwargs(args))
     startup = time.perf_counter() - t0
     runner = llm.engine_core.runner
-    spec = runner.spec
-    cost = model_cost(runner.model, spec, dtype, num_kv_heads=runner.num_kv_heads, tp_size=runner.tp.size)
+    cost = model_cost(runner.model, runner.spec, dtype, num_kv_heads=runner.num_kv_heads, tp_size=runner.tp.size)
     print(
         f"engine start {startup:.1f}s; KV cache: {runner.num_blocks} blocks x {runner.bytes_per_block} B/block "
         f"= {runner.num_blocks * runner.bytes_per_block / 1e9:.1f} GB; "
@@ -200,45 +206,81 @@ def main() -> int:
         f"weights {cost.weight_bytes / 1e9:.2f} GB",
         flush=True,
     )
-    core = llm.engine_core
-    chosen = [Workload.parse(name) for name in args.workloads.split(",")]
+    return llm, cost
+
+
+def parse_workloads(names: str) -> list[Workload]:
+    chosen = [Workload.parse(name) for name in names.split(",")]
     if len({w.name for w in chosen}) < len(chosen):
-        raise SystemExit(f"--workloads {args.workloads}: a workload named twice (--repeats times each again)")
+        raise SystemExit(f"--workloads {names}: a workload named twice (--repeats times each again)")
+    return chosen
+
+
+def timed_run(llm: LLM, workload: Workload, prompts, params) -> tuple[dict, list | None]:
+    """One timed run of a workload: its figures, and its schedule if the workload records it inline."""
+    core = llm.engine_core
+    llm.reset_prefix_cache()  # the warm-up's prompts are prefixes of the workload's: no free hits
+    hits0, queries0, steps0 = core.kv_cache.prefix_hits, core.kv_cache.prefix_queries, core.num_steps
+    with recording(llm) if workload.record_inline else nullcontext() as log:
+        dt, out_tokens = run_engine(llm, prompts, params)
+    run = dict(
+        seconds=dt,
+        output_tokens=out_tokens,
+        tok_s=out_tokens / dt,
+        steps=core.num_steps - steps0,
+        prefix_hit_rate=(core.kv_cache.prefix_hits - hits0) / max(core.kv_cache.prefix_queries - queries0, 1),
+    )
+    return run, None if log is None else log.steps
+
+
+def time_workloads(
+    llm: LLM, chosen: list[Workload], args: argparse.Namespace
+) -> tuple[dict[str, list[dict]], dict[str, list]]:
+    """Every workload's --repeats timed runs, round by round, and the schedules the inline ones recorded."""
+    core, vocab = llm.engine_core, llm.engine_core.runner.spec.vocab_size
     runs: dict[str, list[dict]] = {workload.name: [] for workload in chosen}
     inline_steps = {}
     warmed: set[str] = set()
     for round_index in range(args.repeats):
         for workload in chosen:  # alternating, so that a drift of the machine spreads over every workload
             core.config = dataclasses.replace(core.config, async_scheduling=workload.async_scheduling)
-            prompts, sps = workloads(workload.base, spec.vocab_size, args.scale, seed=0)
+            prompts, sps = workloads(workload.base, vocab, args.scale, seed=0)
             if workload.base not in warmed:  # a variant runs the same shapes: one warm-up per base workload
                 warmed.add(workload.base)
                 warm_up(llm, prompts, sps, args.warmup)
                 if args.profile and workload is chosen[0]:
                     profile_host(llm, prompts, sps)
-            llm.reset_prefix_cache()  # the warm-up's prompts are prefixes of the workload's: no free hits
-            hits0, queries0, steps0 = core.kv_cache.prefix_hits, core.kv_cache.prefix_queries, core.num_steps
-            with recording(llm) if workload.record_inline else nullcontext() as log:
-                dt, out_tokens = run_engine(llm, prompts, sps)
-            if log is not None:
-                inline_steps[workload.name] = log.steps
-            run = dict(
-                seconds=dt,
-                output_tokens=out_tokens,
-                tok_s=out_tokens / dt,
-                steps=core.num_steps - steps0,
-                prefix_hit_rate=(core.kv_cache.prefix_hits - hits0) / max(core.kv_cache.prefix_queries - queries0, 1),
-            )
+            run, steps = timed_run(llm, workload, prompts, sps)
+            if steps is not None:
+                inline_steps[workload.name] = steps
             runs[workload.name].append(run)
             print(json.dumps(dict(workload=workload.name, round=round_index, **run)), flush=True)
+    return runs, inline_steps
+
+
+def summarize(
+    llm: LLM,
+    chosen: list[Workload],
+    runs: dict[str, list[dict]],
+    inline_steps: dict[str, list],
+    cost: ModelCost,
+    ceilings: Ceilings,
+    scale: float,
+) -> list[dict]:
+    """A row per workload, against the roofline of its schedule (recorded inline or in an untimed run now)."""
+    core, vocab = llm.engine_core, llm.engine_core.runner.spec.vocab_size
     rows = []
     for workload in chosen:
         core.config = dataclasses.replace(core.config, async_scheduling=workload.async_scheduling)
         steps = inline_steps.get(workload.name)
         if steps is None:
-            steps, _ = schedule_of(llm, *workloads(workload.base, spec.vocab_size, args.scale, seed=0))
+            steps, _ = schedule_of(llm, *workloads(workload.base, vocab, scale, seed=0))
         rows.append(summary_row(workload, runs[workload.name], steps, roofline_seconds(steps, cost, ceilings)))
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict], hf_rows: list[dict]) -> None:
     print(
         f"\n{'workload':<16} {'out tok/s':>11} {'min-max':>15} {'runs':>4} {'roofline tok/s':>15} {'of roofline':>12} "
         f"{'steps':>6} {'hit rate':>9}"
@@ -253,6 +295,25 @@ def main() -> int:
         print(
             f"{h['baseline']:<8} {h['tok_s']:>11,.0f}   (rlserve {rows[0]['workload'] if rows else ''} is {ratio:.1f}x)"
         )
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model_dir = args.model_dir or str(make_model_dir(tempfile.mkdtemp(), preset=args.preset, dtype=dtype))
+    ceilings = measure_ceilings(device)
+    print(
+        f"ceilings: bandwidth {ceilings.bandwidth / 1e12:.3f} TB/s, matmul {ceilings.matmul_flops / 1e12:.1f} TFLOP/s",
+        flush=True,
+    )
+    # Hugging Face first, while the GPU is empty; the engine then takes the memory it sizes its cache from.
+    hf_rows = hf_baselines(args, model_dir, device, dtype)
+    llm, cost = start_engine(model_dir, args, dtype)
+    chosen = parse_workloads(args.workloads)
+    runs, inline_steps = time_workloads(llm, chosen, args)
+    rows = summarize(llm, chosen, runs, inline_steps, cost, ceilings, args.scale)
+    print_table(rows, hf_rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(rows=rows, hf=hf_rows, **dataclasses.asdict(ceilings), device=str(device)), f, indent=1)

@@ -31,6 +31,9 @@ side's resident weights during the configuration, and allocated after the first 
 `torch.cuda.ipc_collect()`), which must be equal. The control channel is a pipe carrying JSON bytes.
 """
 
+# This script is the engine side; the trainer process is in weight_sync_trainer.py, what both use in
+# weight_sync_shared.py.
+
 from __future__ import annotations
 
 import argparse
@@ -40,48 +43,35 @@ import os
 import statistics
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+from weight_sync_shared import (
+    MIB,
+    MODELS,
+    TIMEOUT_S,
+    MemoryProbe,
+    broadcast_buckets,
+    make_weights,
+    receive_message,
+    send_message,
+    synchronize,
+)
+from weight_sync_trainer import trainer_main
 
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_name
 from rlserve.engine.dp_lockstep import free_port
 from rlserve.weight_transfer import (
-    IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
-    NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,
     plan_buckets,
     tensor_sha256,
 )
 from rlserve.weight_transfer.packed import slot_buffers
-from rlserve.weight_transfer.sparse_nccl import SparseDelta
-
-MIB = 1 << 20
-TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool = True
-
-
-MODELS = {
-    "qwen3-0.6b-shape": ModelShape(151936, 1024, 3072, 28, 16, 8, 128),
-    "small": ModelShape(32000, 512, 1536, 8, 8, 4, 64),
-}
 
 DEFAULT_BUFFERS = {
     "ipc": (512 * MIB, 1024 * MIB),
@@ -89,80 +79,6 @@ DEFAULT_BUFFERS = {
     "gloo": (4 * MIB, 16 * MIB),
 }
 DEFAULT_UPDATES = {"ipc": 100, "nccl": 20, "gloo": 10}
-
-
-def param_shapes(m: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
-    """Qwen3's checkpoint tensors in checkpoint order (tied embeddings: no lm_head.weight)."""
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab, m.hidden))]
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    for i in range(m.layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (m.hidden,)),
-            (p + "self_attn.q_proj.weight", (q, m.hidden)),
-            (p + "self_attn.k_proj.weight", (kv, m.hidden)),
-            (p + "self_attn.v_proj.weight", (kv, m.hidden)),
-            (p + "self_attn.o_proj.weight", (m.hidden, q)),
-            (p + "self_attn.q_norm.weight", (m.head_dim,)),
-            (p + "self_attn.k_norm.weight", (m.head_dim,)),
-            (p + "post_attention_layernorm.weight", (m.hidden,)),
-            (p + "mlp.gate_proj.weight", (m.intermediate, m.hidden)),
-            (p + "mlp.up_proj.weight", (m.intermediate, m.hidden)),
-            (p + "mlp.down_proj.weight", (m.hidden, m.intermediate)),
-        ]
-    shapes.append(("model.norm.weight", (m.hidden,)))
-    if not m.tied:
-        shapes.append(("lm_head.weight", (m.vocab, m.hidden)))
-    return shapes
-
-
-def make_weights(m: ModelShape, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random bf16 weights from `seed`; the same on every device of one type (the generator is device-independent)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return {
-        name: (torch.randn(shape, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-        for name, shape in param_shapes(m)
-    }
-
-
-# --- measurement helpers --------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class MemoryProbe:
-    """Allocator readings on one side of the transfer (CUDA only; None on CPU, whose allocator keeps no stats)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.enabled = device.type == "cuda"
-        self.resident = 0
-        self.first: int | None = None
-        self.last: int | None = None
-
-    def start(self) -> None:
-        if self.enabled:
-            torch.cuda.ipc_collect()
-            torch.cuda.synchronize(self.device)
-            self.resident = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.first = self.last = None
-
-    def after_update(self) -> None:
-        if self.enabled:
-            torch.cuda.ipc_collect()
-            allocated = torch.cuda.memory_allocated(self.device)
-            self.first = allocated if self.first is None else self.first
-            self.last = allocated
-
-    def report(self) -> dict[str, float | None]:
-        if not self.enabled:
-            return {"peak_extra_mib": None, "first_mib": None, "last_mib": None}
-        peak = torch.cuda.max_memory_allocated(self.device) - self.resident
-        return {"peak_extra_mib": peak / MIB, "first_mib": self.first / MIB, "last_mib": self.last / MIB}
 
 
 def copy_ceilings(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, float]:
@@ -174,10 +90,10 @@ def copy_ceilings(weights: dict[str, torch.Tensor], device: torch.device) -> dic
     copies = {name: torch.empty_like(t) for name, t in weights.items()}
 
     def timed(fn: Callable[[], None]) -> float:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - t0
 
     def per_tensor() -> None:
@@ -195,179 +111,6 @@ def copy_ceilings(weights: dict[str, torch.Tensor], device: torch.device) -> dic
 def bucket_sizes(weights: dict[str, torch.Tensor], buffer_size_bytes: int) -> list[int]:
     sizes = [t.nbytes for t in weights.values()]
     return [sum(sizes[i] for i in bucket) for bucket in plan_buckets(sizes, buffer_size_bytes)]
-
-
-def broadcast_buckets(group: Any, buffers: list[torch.Tensor], sizes: list[int]) -> None:
-    """The raw bucket sequence, the same on both sides: bucket i from/into buffer i % len(buffers), as many in
-    flight as there are buffers (a broadcast into a buffer is issued once the previous one in it is done)."""
-    in_flight: deque[Any] = deque()
-    for i, size in enumerate(sizes):
-        if len(in_flight) == len(buffers):
-            in_flight.popleft().wait()
-        in_flight.append(group.broadcast(buffers[i % len(buffers)][:size]))
-    while in_flight:
-        in_flight.popleft().wait()
-
-
-# --- control channel: JSON bytes over a pipe (no pickle) ----------------------------------------------------------
-
-
-def _send(conn: Connection, message: dict[str, Any]) -> None:
-    conn.send_bytes(json.dumps(message).encode())
-
-
-def _recv(conn: Connection) -> dict[str, Any]:
-    if not conn.poll(TIMEOUT_S):
-        raise TimeoutError("the other side of the benchmark went silent")
-    message = json.loads(conn.recv_bytes())
-    if "error" in message:
-        raise RuntimeError(f"trainer failed: {message['error']}")
-    return message
-
-
-def _request(conn: Connection, message: dict[str, Any]) -> dict[str, Any]:
-    _send(conn, message)
-    return _recv(conn)
-
-
-# --- trainer process ----------------------------------------------------------------------------------------------
-
-
-def _trainer_main(conn: Connection, spec: str) -> None:
-    try:
-        _trainer(conn, json.loads(spec))
-    except Exception as e:
-        _send(conn, {"error": repr(e)})
-        raise
-
-
-def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    device = torch.device(spec["trainer_device"])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    weights = make_weights(MODELS[spec["model"]], device)
-    memory = MemoryProbe(device)
-    group = None
-    if spec["backend"] != "ipc":
-        group = NCCLWeightTransferEngine.trainer_init(
-            {"master_address": "127.0.0.1", "master_port": spec["port"], "world_size": 2, "timeout_s": TIMEOUT_S}
-        )
-    while True:
-        cmd = _recv(conn)
-        if cmd["cmd"] == "exit":
-            break
-        if cmd["cmd"] == "raw":  # the ceilings: one broadcast of the model's size, or the bucket sequence
-            buffers = slot_buffers(cmd["sizes"], cmd["num_buffers"], device)
-            for _ in range(cmd["reps"]):
-                _recv(conn)  # go
-                broadcast_buckets(group, buffers, cmd["sizes"])
-                _sync(device)
-            del buffers
-            continue
-        if cmd["cmd"] == "sparse":
-            _trainer_sparse(conn, weights, cmd, MODELS[spec["model"]])
-            continue
-        memory.start()
-        times = []
-        for _ in range(cmd["updates"]):
-            if spec["backend"] == "ipc":
-                args = IPCTrainerSendWeightsArgs(
-                    send_mode=lambda info: _request(conn, {"update_info": info}),
-                    packed=cmd["packed"],
-                    packed_buffer_size_bytes=cmd["buffer"],
-                )
-                t0 = time.perf_counter()
-                IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), args)
-            else:
-                _recv(conn)  # go
-                args = NCCLTrainerSendWeightsArgs(
-                    group=group,
-                    packed=cmd["packed"],
-                    packed_buffer_size_bytes=cmd["buffer"],
-                    packed_num_buffers=cmd["num_buffers"],
-                )
-                t0 = time.perf_counter()
-                NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), args)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-            memory.after_update()
-        _send(conn, {"done": True, "times": times, "memory": memory.report()})
-    if group is not None:
-        group.shutdown()
-
-
-def adam_step_version(
-    weights: dict[str, torch.Tensor], shape: ModelShape, lr: float = 1e-6, batch: int = 4, seq: int = 512
-) -> dict[str, torch.Tensor]:
-    """The bf16 weights after one Adam step at `lr` on fp32 master weights equal to `weights`: a Qwen3 model of the
-    shape, a forward and backward of random tokens (embedding rows of tokens not in the batch get no gradient, as
-    in training)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, tie_word_embeddings=shape.tied,
-    )  # fmt: skip
-    device = next(iter(weights.values())).device
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).float()
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            params[name].copy_(tensor)
-    tokens = torch.randint(
-        0, shape.vocab, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(0)
-    )
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    torch.optim.Adam(model.parameters(), lr=lr).step()
-    return {name: params[name].detach().to(torch.bfloat16) for name in weights}
-
-
-def _trainer_sparse(conn: Connection, weights: dict[str, torch.Tensor], cmd: dict[str, Any], shape: ModelShape) -> None:
-    device = next(iter(weights.values())).device
-    versions = [weights, adam_step_version(weights, shape)]
-    delta = SparseDelta(weights.items())
-
-    def send(items: list[tuple[str, torch.Tensor]], buffer: int) -> None:
-        args = IPCTrainerSendWeightsArgs(
-            send_mode=lambda info: _request(conn, {"update_info": info}), packed=True, packed_buffer_size_bytes=buffer
-        )
-        IPCWeightTransferEngine.trainer_send_weights(iter(items), args)
-
-    send(list(weights.items()), max(t.nbytes for t in weights.values()))  # the engine starts from v0
-    times, changed, patch_bytes = [], 0, 0
-    phases: dict[str, list[float]] = {"diff": [], "send and apply": [], "commit": []}
-    for i in range(cmd["updates"]):
-        _sync(device)
-        t0 = time.perf_counter()
-        patches = delta.patches(versions[(i + 1) % 2].items())
-        _sync(device)
-        t1 = time.perf_counter()
-        items = [
-            (f"{p.name}.{part}", t)
-            for p in patches
-            if p.indices.numel()
-            for part, t in (("indices", p.indices), ("values", p.values))
-        ]
-        if not items:
-            raise RuntimeError("the Adam step changed no bf16 value: nothing to send")
-        patch_bytes = sum(t.nbytes for _, t in items)
-        send(items, patch_bytes)  # one chunk: the engine pairs indices with values within it
-        t2 = time.perf_counter()
-        delta.commit(patches)
-        _sync(device)
-        t3 = time.perf_counter()
-        times.append(t3 - t0)
-        for phase, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            phases[phase].append(seconds)
-        changed = sum(p.indices.numel() for p in patches)
-    digest = {name: tensor_sha256(t) for name, t in versions[cmd["updates"] % 2].items()}
-    medians = {phase: statistics.median(seconds[1:]) for phase, seconds in phases.items()}
-    done = {"done": True, "times": times, "phases": medians, "changed": changed, "patch_bytes": patch_bytes}
-    _send(conn, done | {"digest": digest})
 
 
 # --- engine side (this process) -------------------------------------------------------------------------------------
@@ -414,6 +157,120 @@ def _configs(backend: str, buffers: list[int], updates: int, num_buffers: list[i
     ]
 
 
+def _devices(backend: str) -> tuple[torch.device, torch.device]:
+    """The trainer's device and the engine's."""
+    if backend == "ipc":
+        return torch.device("cuda", 0), torch.device("cuda", 0)
+    if backend == "nccl":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--backend nccl needs two GPUs (NCCL refuses two ranks on one GPU); use ipc on one")
+        return torch.device("cuda", 0), torch.device("cuda", 1)
+    return torch.device("cpu"), torch.device("cpu")
+
+
+def _receiving_engine(backend: str, device: torch.device, port: int) -> Any:
+    """The engine's transfer engine, joined to the trainer (nccl/gloo: through the group at `port`)."""
+    config = WeightTransferConfig("ipc" if backend == "ipc" else "nccl")
+    if backend == "ipc":
+        engine: Any = IPCWeightTransferEngine(config, device)
+        engine.init_transfer_engine(engine.parse_init_info({}))
+    else:
+        engine = NCCLWeightTransferEngine(config, device, timeout_s=TIMEOUT_S)
+        engine.init_transfer_engine(
+            engine.parse_init_info({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
+        )
+    return engine
+
+
+@dataclass(frozen=True)
+class EngineSide:
+    """This process's end of the transfer: the receiving engine, the weights it must end up with, the preallocated
+    tensors it receives into, and the pipe to the trainer."""
+
+    backend: str
+    engine: Any
+    conn: Connection
+    device: torch.device
+    expected: dict[str, torch.Tensor]
+    target: dict[str, torch.Tensor]
+    reps: int  # timed runs of each raw broadcast ceiling
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # One multi-tensor copy, as the engine's loader (LlamaForCausalLM.load_weights) does.
+        torch._foreach_copy_([self.target[name] for name, _ in weights], [tensor for _, tensor in weights])
+
+    def raw_broadcast(self, sizes: list[int], num_buffers: int) -> float:
+        """Median seconds of the raw bucket sequence `sizes`, the trainer sending concurrently."""
+        bufs = slot_buffers(sizes, num_buffers, self.device)
+        send_message(self.conn, {"cmd": "raw", "sizes": sizes, "num_buffers": num_buffers, "reps": self.reps})
+        raw = []
+        for _ in range(self.reps):
+            send_message(self.conn, {"go": True})
+            t0 = time.perf_counter()
+            broadcast_buckets(self.engine.group, bufs, sizes)
+            synchronize(self.device)
+            raw.append(time.perf_counter() - t0)
+        return statistics.median(raw[1:])
+
+    def receive_update(self, cmd: dict[str, Any]) -> float | None:
+        """One full update; nccl/gloo: the seconds from the go signal until `receive_weights` returned (ipc: None,
+        the trainer times it)."""
+        if self.backend == "ipc":
+            while True:  # one message per chunk (packed) or one per update (unpacked)
+                message = receive_message(self.conn)
+                update_info = self.engine.parse_update_info(message["update_info"])
+                self.engine.receive_weights(update_info, self.load_weights)
+                send_message(self.conn, {"ok": True})
+                if update_info.is_last_chunk:
+                    return None
+        update_info = self.engine.parse_update_info(_update_info(self.expected, cmd))
+        send_message(self.conn, {"go": True})
+        t0 = time.perf_counter()
+        self.engine.receive_weights(update_info, self.load_weights)
+        synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def measure(self, cmd: dict[str, Any], nbytes: int, ceiling_s: float) -> Row:
+        """One configuration's updates into zeroed targets, checked bit for bit after."""
+        raw_buckets_s = None
+        if self.backend != "ipc" and cmd["packed"]:  # measured next to its configuration, under the same load
+            raw_buckets_s = self.raw_broadcast(bucket_sizes(self.expected, cmd["buffer"]), cmd["num_buffers"])
+        for t in self.target.values():
+            t.zero_()
+        memory = MemoryProbe(self.device)
+        memory.start()
+        send_message(self.conn, {"cmd": "run", **cmd})
+        engine_times = []
+        for _ in range(cmd["updates"]):
+            seconds = self.receive_update(cmd)
+            if seconds is not None:
+                engine_times.append(seconds)
+            memory.after_update()
+        done = receive_message(self.conn)
+        times = done["times"] if self.backend == "ipc" else engine_times
+        seconds = statistics.median(times[1:] if len(times) > 1 else times)  # the first update warms up
+        trainer_mem, engine_mem = done["memory"], memory.report()
+        # Checked after the memory readings: torch.equal allocates temporaries of the largest tensor's size.
+        bad = [name for name, t in self.expected.items() if not torch.equal(self.target[name], t)]
+        if bad:
+            raise AssertionError(f"{cmd}: {len(bad)} tensors differ after the updates, e.g. {bad[:3]}")
+        return Row(
+            backend=self.backend,
+            mode="packed" if cmd["packed"] else "unpacked",
+            buffer_mib=cmd["buffer"] / MIB if cmd["packed"] or self.backend != "ipc" else None,
+            num_buffers=cmd["num_buffers"] if self.backend != "ipc" else None,
+            seconds=seconds,
+            gbps=nbytes / seconds / 1e9,
+            fraction=ceiling_s / seconds,
+            raw_buckets_s=raw_buckets_s,
+            fraction_of_raw_buckets=None if raw_buckets_s is None else raw_buckets_s / seconds,
+            trainer_peak_extra_mib=trainer_mem["peak_extra_mib"],
+            engine_peak_extra_mib=engine_mem["peak_extra_mib"],
+            trainer_mem_first_last_mib=_pair(trainer_mem),
+            engine_mem_first_last_mib=_pair(engine_mem),
+        )
+
+
 def run(
     backend: str,
     model: str,
@@ -424,21 +281,13 @@ def run(
     num_buffers: tuple[int, ...] = (1, 2),
     packed_only: bool = False,
 ) -> tuple[list[Row], dict[str, Any]]:
-    if backend == "ipc":
-        engine_device = trainer_device = torch.device("cuda", 0)
-    elif backend == "nccl":
-        if torch.cuda.device_count() < 2:
-            raise SystemExit("--backend nccl needs two GPUs (NCCL refuses two ranks on one GPU); use ipc on one")
-        trainer_device, engine_device = torch.device("cuda", 0), torch.device("cuda", 1)
-    else:
-        engine_device = trainer_device = torch.device("cpu")
+    trainer_device, engine_device = _devices(backend)
     if engine_device.type == "cuda":
         torch.cuda.set_device(engine_device)
     if threads:
         torch.set_num_threads(threads)
 
-    shape = MODELS[model]
-    expected = make_weights(shape, engine_device)
+    expected = make_weights(MODELS[model], engine_device)
     nbytes = sum(t.nbytes for t in expected.values())
     target = {name: torch.zeros_like(t) for name, t in expected.items()}
     info: dict[str, Any] = {
@@ -453,104 +302,28 @@ def run(
     if backend == "ipc":
         info.update(copy_ceilings(expected, engine_device))
 
-    def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
-        # One multi-tensor copy, as the engine's loader (LlamaForCausalLM.load_weights) does.
-        torch._foreach_copy_([target[name] for name, _ in weights], [tensor for _, tensor in weights])
-
     port = free_port()
     spec = {"backend": backend, "model": model, "trainer_device": str(trainer_device), "port": port, "threads": threads}
     ctx = multiprocessing.get_context("spawn")
     engine_end, trainer_end = ctx.Pipe()
-    trainer = ctx.Process(target=_trainer_main, args=(trainer_end, json.dumps(spec)), daemon=True)
+    trainer = ctx.Process(target=trainer_main, args=(trainer_end, json.dumps(spec)), daemon=True)
     trainer.start()
-    config = WeightTransferConfig("ipc" if backend == "ipc" else "nccl")
-    if backend == "ipc":
-        engine: Any = IPCWeightTransferEngine(config, engine_device)
-        engine.init_transfer_engine(engine.parse_init_info({}))
-    else:
-        engine = NCCLWeightTransferEngine(config, engine_device, timeout_s=TIMEOUT_S)
-        engine.init_transfer_engine(
-            engine.parse_init_info({"master_address": "127.0.0.1", "master_port": port, "world_size": 2})
-        )
-    reps = max(3, updates // 2)
-
-    def raw_broadcast(sizes: list[int], num_buffers: int) -> float:
-        """Median seconds of the raw bucket sequence `sizes`, the trainer sending concurrently."""
-        bufs = slot_buffers(sizes, num_buffers, engine_device)
-        _send(engine_end, {"cmd": "raw", "sizes": sizes, "num_buffers": num_buffers, "reps": reps})
-        raw = []
-        for _ in range(reps):
-            _send(engine_end, {"go": True})
-            t0 = time.perf_counter()
-            broadcast_buckets(engine.group, bufs, sizes)
-            _sync(engine_device)
-            raw.append(time.perf_counter() - t0)
-        return statistics.median(raw[1:])
-
+    engine = _receiving_engine(backend, engine_device, port)
+    side = EngineSide(backend, engine, engine_end, engine_device, expected, target, reps=max(3, updates // 2))
     rows: list[Row] = []
     try:
         if backend != "ipc":
-            info["raw_broadcast_s"] = raw_broadcast([nbytes], 1)
+            info["raw_broadcast_s"] = side.raw_broadcast([nbytes], 1)
             info["raw_broadcast_gbps"] = nbytes / info["raw_broadcast_s"] / 1e9
         ceiling_s = info["copy_floor_s"] if backend == "ipc" else info["raw_broadcast_s"]
 
         configs = _configs(backend, buffers, updates, list(num_buffers))
         for cmd in [c for c in configs if c["packed"] or not packed_only]:
-            raw_buckets_s = None
-            if backend != "ipc" and cmd["packed"]:  # measured next to its configuration, under the same load
-                raw_buckets_s = raw_broadcast(bucket_sizes(expected, cmd["buffer"]), cmd["num_buffers"])
-            for t in target.values():
-                t.zero_()
-            memory = MemoryProbe(engine_device)
-            memory.start()
-            _send(engine_end, {"cmd": "run", **cmd})
-            engine_times = []
-            for _ in range(cmd["updates"]):
-                if backend == "ipc":
-                    while True:  # one message per chunk (packed) or one per update (unpacked)
-                        message = _recv(engine_end)
-                        update_info = engine.parse_update_info(message["update_info"])
-                        engine.receive_weights(update_info, load_weights)
-                        _send(engine_end, {"ok": True})
-                        if update_info.is_last_chunk:
-                            break
-                else:
-                    update_info = engine.parse_update_info(_update_info(expected, cmd))
-                    _send(engine_end, {"go": True})
-                    t0 = time.perf_counter()
-                    engine.receive_weights(update_info, load_weights)
-                    _sync(engine_device)
-                    engine_times.append(time.perf_counter() - t0)
-                memory.after_update()
-            done = _recv(engine_end)
-            times = done["times"] if backend == "ipc" else engine_times
-            seconds = statistics.median(times[1:] if len(times) > 1 else times)  # the first update warms up
-            trainer_mem, engine_mem = done["memory"], memory.report()
-            # Checked after the memory readings: torch.equal allocates temporaries of the largest tensor's size.
-            bad = [name for name, t in expected.items() if not torch.equal(target[name], t)]
-            if bad:
-                raise AssertionError(f"{cmd}: {len(bad)} tensors differ after the updates, e.g. {bad[:3]}")
-            rows.append(
-                Row(
-                    backend=backend,
-                    mode="packed" if cmd["packed"] else "unpacked",
-                    buffer_mib=cmd["buffer"] / MIB if cmd["packed"] or backend != "ipc" else None,
-                    num_buffers=cmd["num_buffers"] if backend != "ipc" else None,
-                    seconds=seconds,
-                    gbps=nbytes / seconds / 1e9,
-                    fraction=ceiling_s / seconds,
-                    raw_buckets_s=raw_buckets_s,
-                    fraction_of_raw_buckets=None if raw_buckets_s is None else raw_buckets_s / seconds,
-                    trainer_peak_extra_mib=trainer_mem["peak_extra_mib"],
-                    engine_peak_extra_mib=engine_mem["peak_extra_mib"],
-                    trainer_mem_first_last_mib=_pair(trainer_mem),
-                    engine_mem_first_last_mib=_pair(engine_mem),
-                )
-            )
+            rows.append(side.measure(cmd, nbytes, ceiling_s))
             print(f"done: {cmd} -> {rows[-1].seconds:.4f} s", file=sys.stderr, flush=True)
         if sparse:
             rows.append(_engine_sparse(engine, engine_end, target, updates, nbytes, ceiling_s, info))
-        _send(engine_end, {"cmd": "exit"})
+        send_message(engine_end, {"cmd": "exit"})
     finally:
         engine.shutdown()  # before waiting for the trainer: both sides leave the group at the same time
         trainer.join(TIMEOUT_S)
@@ -582,15 +355,15 @@ def _engine_sparse(
             else:
                 target[name].copy_(tensor)
 
-    _send(conn, {"cmd": "sparse", "updates": updates})
+    send_message(conn, {"cmd": "sparse", "updates": updates})
     for _ in range(updates + 1):
         while True:  # the first update (v0, full) comes in several chunks
-            update_info = engine.parse_update_info(_recv(conn)["update_info"])
+            update_info = engine.parse_update_info(receive_message(conn)["update_info"])
             engine.receive_weights(update_info, load)
-            _send(conn, {"ok": True})
+            send_message(conn, {"ok": True})
             if update_info.is_last_chunk:
                 break
-    done = _recv(conn)
+    done = receive_message(conn)
     bad = [name for name, t in target.items() if tensor_sha256(t) != done["digest"][name]]
     if bad:
         raise AssertionError(f"sparse: {len(bad)} tensors differ from the trainer's version, e.g. {bad[:3]}")

@@ -138,10 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     toy.set_defaults(func=cmd_toy_model)
 
     # The other commands register their own arguments.
-    from rlserve.rl import demo, parity
+    from rlserve.rl import demo, parity_report
     from rlserve.server import serve
 
-    for module in (serve, demo, parity):
+    for module in (serve, demo, parity_report):
         module.register_cli(sub)
     return parser
 

@@ -21,7 +21,6 @@ batch-invariant mode the expert projections also use the batch-invariant matmul)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +28,9 @@ from torch import nn
 
 from rlserve.model import batch_invariant, expert_parallel
 from rlserve.model.expert_parallel import ExpertShard
+from rlserve.model.forward_context import ForwardContext
 from rlserve.model.layers import Linear, ShardSlice, fused_kernels, silu_and_mul
 from rlserve.model.parallel import TensorParallelGroup
-
-if TYPE_CHECKING:
-    from rlserve.model.models.llama import ForwardContext
 
 
 @dataclass(frozen=True)

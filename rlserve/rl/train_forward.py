@@ -25,8 +25,9 @@ from torch import nn
 
 from rlserve.model.attention import AttentionBackend, AttentionMetadata, create_attention_backend
 from rlserve.model.batch_invariant import exact_values
+from rlserve.model.forward_context import ForwardContext
 from rlserve.model.loader import load_model
-from rlserve.model.models.llama import DecoderForCausalLM, ForwardContext
+from rlserve.model.models.llama import DecoderForCausalLM
 
 
 class ContiguousAttention:

@@ -13,7 +13,7 @@ from torch import nn
 
 from rlserve.lora.peft import PEFTAdapter
 from rlserve.model import batch_invariant
-from rlserve.model.attention.base import AttentionBackend, AttentionMetadata
+from rlserve.model.forward_context import ForwardContext
 from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme
 from rlserve.model.layers import (
     Linear,
@@ -86,22 +86,6 @@ def spec_from_hf_config(cfg) -> DecoderSpec:
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         moe=moe_spec_from_hf_config(cfg) if arch == "Qwen3MoeForCausalLM" else None,
     )
-
-
-@dataclass
-class ForwardContext:
-    """What attention layers need for one forward pass; passed explicitly, never stored globally."""
-
-    meta: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    backend: AttentionBackend
-    # MoE layers only: where to record each token's routed experts ([>= tokens, layers, top_k]), and experts to
-    # route each token to instead of the router's choice ([tokens, layers, top_k]; -1: the router's). See moe.py.
-    routed_experts: torch.Tensor | None = None
-    replay_experts: torch.Tensor | None = None
-    # With adapters loaded (DecoderForCausalLM.enable_lora): each token's one-hot LoRA slot [tokens, slots]
-    # (rlserve.model.lora.lora_mask); None when no token of the batch uses one.
-    lora_mask: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

@@ -24,8 +24,9 @@ import triton.language as tl  # noqa: E402
 from rlserve.model import layers  # noqa: E402
 from rlserve.model.attention.base import AttentionMetadata  # noqa: E402
 from rlserve.model.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from rlserve.model.forward_context import ForwardContext  # noqa: E402
 from rlserve.model.kernels import fused_ops  # noqa: E402
-from rlserve.model.models.llama import DecoderForCausalLM, DecoderSpec, ForwardContext  # noqa: E402
+from rlserve.model.models.llama import DecoderForCausalLM, DecoderSpec  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
 
