@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -189,6 +190,8 @@ def test_every_command_runs_or_says_why_not(readme: str) -> None:
 
 
 def test_quick_start_runs_as_written(readme: str, tmp_path: Path) -> None:
+    if shutil.which("curl") is None:
+        pytest.skip("the quick start's request is a curl command, and curl is not installed")
     ports = {SERVER_PORT: str(free_port()), TRANSFER_PORT: str(free_port())}
     servers: list[subprocess.Popen] = []
     outputs: dict[str, str] = {}
