@@ -35,7 +35,7 @@ MAX_README_LINES = 120
 MAX_LINE_CHARS = 120
 # The two set-up lines: the first lines after the title, kept exactly as they are (CI and the project's rules read
 # them), and the only lines allowed past MAX_LINE_CHARS. CI runs them itself: .ci/run sets up its fresh clone the
-# same way and then runs this very suite.
+# same way (less the demo, which test_readme_demo runs) and then runs this very suite.
 SETUP_LINES = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]' && pip "
     "install --no-deps -r requirements-frameworks.txt && rlserve demo": "the fresh-machine set-up: .ci/run does it",
@@ -45,7 +45,7 @@ GPU_ONLY = {
     "pip install -e '.[gpu]'": "the GPU extra (Triton): installs packages, for the GPU path only",
     "rlserve serve Qwen/Qwen3-0.6B": "a hub download served on a GPU",
 }
-# Run by its own test, marked slow: the whole demo takes about a minute on two idle cores.
+# Run by its own test, marked slow: the whole demo takes about a minute on two idle cores, two when they are shared.
 SLOW = {"rlserve demo": "test_readme_demo"}
 
 # The page's ports, replaced by free ones (checked present, so the replacement is never silently a no-op).
