@@ -22,7 +22,7 @@ import time
 import torch
 
 from rlserve import LLM, RequestOutputKind, SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.engine.worker.model_runner import LaunchedStep
 from rlserve.toy import make_model_dir
 

@@ -31,7 +31,7 @@ from roofline import measure_ceilings, model_cost, recording, roofline_seconds, 
 from workloads import W1_ENGINE, run_engine, workloads
 
 from rlserve import LLM, SamplingParams
-from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.frontend.args import add_engine_arguments, engine_kwargs
 from rlserve.toy import make_model_dir
 
 VARIANTS = {"sync": "without async scheduling", "inline": "its schedule recorded inside the timed runs"}

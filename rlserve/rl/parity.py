@@ -45,7 +45,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlserve.dtypes import TORCH_DTYPES
-from rlserve.engine.llm import LLM, load_tokenizer
+from rlserve.engine.frontend.llm import LLM, load_tokenizer
 from rlserve.hub import resolve_model
 from rlserve.model.fp8 import FP8_METHODS
 from rlserve.model.loader import checkpoint_files, iterate_checkpoint

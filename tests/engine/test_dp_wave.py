@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rlserve.engine.dp_wave import Gate, LockstepRank, SyncFlags
+from rlserve.engine.core.dp_wave import Gate, LockstepRank, SyncFlags
 
 MAX_ACTIONS = 6000  # per schedule: far above what a schedule needs (a few hundred), so reaching it is a livelock
 

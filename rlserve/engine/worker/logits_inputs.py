@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rlserve.engine.request import PLACEHOLDER, BadWordsOnDevice, Request
+from rlserve.engine.sched.request import PLACEHOLDER, BadWordsOnDevice, Request
 from rlserve.model.logits_adjustments import AllowedTokens, BadWords, LogitBias, LogitsAdjustments, Penalties
 
 Upload = Callable[[list, torch.dtype], torch.Tensor]

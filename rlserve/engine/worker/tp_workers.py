@@ -30,11 +30,11 @@ import torch
 from torch.distributed import TCPStore
 
 from rlserve.config import EngineConfig, WeightTransferConfig
-from rlserve.engine.dp_lockstep import COLLECTIVE_TIMEOUT
-from rlserve.engine.profiler import TraceProfiler, profiling_enabled, trace_name
+from rlserve.engine.core.dp_lockstep import COLLECTIVE_TIMEOUT
 from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import ModelRunner
+from rlserve.engine.worker.tracing import TraceProfiler, profiling_enabled, trace_name
 from rlserve.log import configure_logging
 from rlserve.model.parallel import TensorParallelGroup, serve_store, store_client
 
@@ -252,7 +252,7 @@ class TPWorkers:
         self._lock = threading.Lock()
         self.conns: list[Connection] = []
         self.processes: list[subprocess.Popen] = []
-        from rlserve.engine.core_client import registered_backends
+        from rlserve.engine.frontend.core_client import registered_backends
 
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
         extra_backends = registered_backends(config)
@@ -354,7 +354,7 @@ class TPWorkers:
 
 
 def _exit_with(parent_pid: int) -> None:
-    from rlserve.engine.core_proc import pid_alive
+    from rlserve.engine.core.main_loop import pid_alive
 
     while pid_alive(parent_pid):
         time.sleep(PARENT_CHECK_INTERVAL_S)

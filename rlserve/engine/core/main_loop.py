@@ -29,9 +29,9 @@ import msgspec
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_auth import new_secret, private_ipc_address, remove_ipc_address, require_secret
-from rlserve.engine.dp_lockstep import LockstepLink, PeerLost, rendezvous_store
-from rlserve.engine.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
+from rlserve.engine.core.dp_lockstep import LockstepLink, PeerLost, rendezvous_store
+from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address, require_secret
+from rlserve.engine.wire.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
 from rlserve.log import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ EXIT_STEP_FAILED = 3  # an engine step raised: its requests were ended, the trac
 EXIT_PEER_LOST = 4  # data-parallel lockstep: a peer rank left (stopped or died) while this one needed it
 # Core processes are forked from a server process that imported the engine once: each starts in a fraction of the
 # time a fresh interpreter takes, and none inherits the threads of the front end (which fork would copy badly).
-_PRELOAD = ["rlserve.engine.fork_server_preload"]
+_PRELOAD = ["rlserve.engine.core.fork_server_preload"]
 
 
 def multiprocessing_enabled() -> bool:
@@ -111,8 +111,8 @@ def run_engine_core(
     """The core process's main: build the engine, report ready (or the error) to `ready` (a pipe's end, or anything
     with its send and close), serve until told to stop: by SIGTERM, or by `stop` where the caller owns the process (a
     Ray actor runs this on a thread of its own)."""
-    from rlserve.engine.core import EngineCore
-    from rlserve.engine.core_service import EngineCoreService
+    from rlserve.engine.core.engine_core import EngineCore
+    from rlserve.engine.core.service import EngineCoreService
     from rlserve.weight_transfer import WeightTransferEngineFactory
 
     if stop is None:

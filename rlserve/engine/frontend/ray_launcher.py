@@ -21,9 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_auth import new_secret, private_ipc_address, remove_ipc_address
-from rlserve.engine.core_client import registered_backends
-from rlserve.engine.core_proc import (
+from rlserve.engine.core.dp_lockstep import free_port
+from rlserve.engine.core.main_loop import (
     EXIT_PEER_LOST,
     EXIT_STEP_FAILED,
     STARTUP_TIMEOUT_S,
@@ -31,7 +30,8 @@ from rlserve.engine.core_proc import (
     run_engine_core,
     startup_error,
 )
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.frontend.core_client import registered_backends
+from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import msgspec
 import torch
 
 from rlserve.dtypes import dtype_from_name
-from rlserve.engine.core import EngineCore
-from rlserve.engine.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
-from rlserve.engine.messages import (
+from rlserve.engine.core.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
+from rlserve.engine.core.engine_core import EngineCore
+from rlserve.engine.wire.messages import (
     PAUSED_REFUSAL,
     SLEEP_MODES,
     AbortRequests,

@@ -33,7 +33,8 @@ from typing import Any
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_client import (
+from rlserve.engine.core.dp_lockstep import free_port
+from rlserve.engine.frontend.core_client import (
     LIVENESS_INTERVAL_S,
     AsyncMPClient,
     EngineDeadError,
@@ -41,8 +42,7 @@ from rlserve.engine.core_client import (
     make_launcher,
     raise_for,
 )
-from rlserve.engine.dp_lockstep import free_port
-from rlserve.engine.messages import AddRequest, EngineCoreOutput, UtilityResult
+from rlserve.engine.wire.messages import AddRequest, EngineCoreOutput, UtilityResult
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import Request, RequestStatus
+from rlserve.engine.sched.kv_cache import KVCacheManager
+from rlserve.engine.sched.request import Request, RequestStatus
 
 
 class PauseState(enum.Enum):

@@ -26,9 +26,9 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_auth import present_secret
-from rlserve.engine.core_proc import CoreProcess, multiprocessing_enabled, pid_alive
-from rlserve.engine.messages import (
+from rlserve.engine.core.main_loop import CoreProcess, multiprocessing_enabled, pid_alive
+from rlserve.engine.wire.auth import present_secret
+from rlserve.engine.wire.messages import (
     AbortRequests,
     AddRequest,
     AddRequests,
@@ -121,7 +121,7 @@ def load_weights_args(client: Any, weights, reset_prefix_cache: bool) -> list[An
     data (pack_tensors) for one in another."""
     if client.in_process:
         return [list(weights), reset_prefix_cache]
-    from rlserve.engine.core_service import pack_tensors
+    from rlserve.engine.core.service import pack_tensors
 
     return [pack_tensors(weights), reset_prefix_cache]
 
@@ -145,8 +145,8 @@ class InprocClient:
     in_process = True
 
     def __init__(self, config: EngineConfig) -> None:
-        from rlserve.engine.core import EngineCore
-        from rlserve.engine.core_service import EngineCoreService
+        from rlserve.engine.core.engine_core import EngineCore
+        from rlserve.engine.core.service import EngineCoreService
 
         self.service = EngineCoreService(EngineCore(config), self)
         self._outputs: list[EngineCoreOutput] = []
@@ -210,7 +210,7 @@ def make_launcher(config: EngineConfig) -> Any:
     once `wait_ready` returned, `is_alive`, `death_reason`, `stopped`, `shutdown`), `shutdown()` stops what the
     launcher holds for all of them."""
     if config.data_parallel_backend == "ray":
-        from rlserve.engine.core_actor import RayLauncher  # Ray is an optional extra
+        from rlserve.engine.frontend.ray_launcher import RayLauncher  # Ray is an optional extra
 
         return RayLauncher(config)
     return ProcessLauncher()
@@ -324,7 +324,7 @@ def _check_data_parallel(config: EngineConfig) -> bool:
 
 def make_client(config: EngineConfig) -> Any:
     if _check_data_parallel(config):
-        from rlserve.engine.dp_client import DPMPClient  # it builds on the clients here
+        from rlserve.engine.frontend.dp_client import DPMPClient  # it builds on the clients here
 
         return DPMPClient(config)
     return MPClient(config) if multiprocessing_enabled() else InprocClient(config)
@@ -408,8 +408,8 @@ class AsyncInprocClient(AsyncClientBase):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
-        from rlserve.engine.core import EngineCore
-        from rlserve.engine.core_service import EngineCoreService
+        from rlserve.engine.core.engine_core import EngineCore
+        from rlserve.engine.core.service import EngineCoreService
 
         self.service = EngineCoreService(EngineCore(config), self)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -554,7 +554,7 @@ class AsyncMPClient(AsyncClientBase):
 
 def make_async_client(config: EngineConfig) -> Any:
     if _check_data_parallel(config):
-        from rlserve.engine.dp_client import DPAsyncMPClient  # it builds on the clients here
+        from rlserve.engine.frontend.dp_client import DPAsyncMPClient  # it builds on the clients here
 
         return DPAsyncMPClient(config)
     return AsyncMPClient(config) if multiprocessing_enabled() else AsyncInprocClient(config)

@@ -4,7 +4,7 @@ Imported there only."""
 
 import signal
 
-import rlserve.engine.core_service  # noqa: F401  (the engine's modules, imported once for every core)
+import rlserve.engine.core.service  # noqa: F401  (the engine's modules, imported once for every core)
 from rlserve.model.loader import import_config_classes
 
 import_config_classes()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.dp_wave import SyncFlags
+from rlserve.engine.core.dp_wave import SyncFlags
 
 if TYPE_CHECKING:
     import torch.distributed
