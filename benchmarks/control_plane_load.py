@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from rlserve.engine.core.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 
 API_KEY = "load-key"
 MODEL_NAME = "toy"

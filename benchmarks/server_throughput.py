@@ -38,8 +38,8 @@ import torch
 from w7_clients import send_all
 
 from rlserve import LLM, SamplingParams
-from rlserve.engine.core.dp_lockstep import free_port
 from rlserve.engine.frontend.args import add_engine_arguments, engine_flags, engine_kwargs
+from rlserve.engine.wire.process import free_port
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0

@@ -50,7 +50,7 @@ import torch
 
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_name
-from rlserve.engine.core.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.weight_transfer import (
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,

@@ -26,7 +26,7 @@ from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
 from rlserve.engine.frontend.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
 from rlserve.engine.wire.call_policy import check_rpc_method
 from rlserve.engine.wire.messages import SLEEP_MODES
-from rlserve.engine.worker.tracing import NOT_ENABLED, profiling_enabled
+from rlserve.engine.wire.profiling import NOT_ENABLED, profiling_enabled
 from rlserve.server.access import RendezvousHosts, confined_dir
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rlserve import LLM, RequestOutput, SamplingParams
 from rlserve.config import WeightTransferConfig
-from rlserve.engine.core.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.engine.worker.tracing import STEP_RANGE
 from rlserve.model.layers import ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from rlserve.model.parallel import TensorParallelGroup

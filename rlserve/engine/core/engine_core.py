@@ -20,24 +20,18 @@ from rlserve.config import EngineConfig, WeightTransferConfig
 from rlserve.dtypes import dtype_from_name
 from rlserve.engine.core.device_defaults import with_device_defaults
 from rlserve.engine.core.lora_manager import LoRAManager
+from rlserve.engine.core.profiling import ProfileSession
 from rlserve.engine.sched.kv_cache import KVCacheManager
 from rlserve.engine.sched.request import Request, RequestStatus
 from rlserve.engine.sched.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.engine.wire.call_policy import check_rpc_method, confined_weight_dir
 from rlserve.engine.wire.messages import ENGINE_RPC_METHODS, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.wire.profiling import ALREADY_ACTIVE, check_session, profiling_enabled, require_profiling
 from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import extension_methods, make_worker
 from rlserve.engine.worker.model_runner import LaunchedStep
 from rlserve.engine.worker.tp_workers import create_runner
-from rlserve.engine.worker.tracing import (
-    ALREADY_ACTIVE,
-    ProfileSession,
-    TraceProfiler,
-    check_session,
-    profiling_enabled,
-    require_profiling,
-    trace_name,
-)
+from rlserve.engine.worker.tracing import TraceProfiler, trace_name
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import DEFAULT_WEIGHT_VERSION, PositionLogprobsData
 from rlserve.sampling_params import SamplingParams

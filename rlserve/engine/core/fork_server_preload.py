@@ -1,6 +1,6 @@
 """What the fork server that engine-core processes are forked from imports at its start (multiprocessing's
-forkserver preload; see core_proc): the engine, once for every core, and the fork server's own signal manners.
-Imported there only."""
+forkserver preload; see rlserve.engine.frontend.launcher): the engine, once for every core, and the fork server's
+own signal manners. Imported there only."""
 
 import signal
 

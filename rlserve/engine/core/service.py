@@ -1,7 +1,7 @@
 """The engine core's side of the message protocol: add/abort/control messages in, step outputs and results out.
 
 One service runs the core's busy loop whatever carries the messages: a ZMQ socket in the engine-core process (the
-default, see core_proc.py) or a queue in a thread of the caller's process (the in-process mode). Everything that
+default, see main_loop.py) or a queue in a thread of the caller's process (the in-process mode). Everything that
 touches the core runs on the loop's thread, between steps, so a weight update never overlaps a forward pass.
 """
 
@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
-import torch
 
-from rlserve.dtypes import dtype_from_name
 from rlserve.engine.core.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
 from rlserve.engine.core.engine_core import EngineCore
 from rlserve.engine.wire.messages import (
@@ -35,6 +33,7 @@ from rlserve.engine.wire.messages import (
     plain_data,
     resolve_pause_mode,
 )
+from rlserve.engine.wire.tensors import unpack_tensors
 from rlserve.engine.worker.extension import extension_methods
 
 logger = logging.getLogger(__name__)
@@ -67,23 +66,6 @@ def error_result(call_id: int, error: BaseException) -> UtilityResult:
     except Exception:  # a plugin's exception whose __str__ raises must not take the core down with it
         message = f"<{type(error).__name__} whose message cannot be printed>"
     return UtilityResult(call_id, None, type(error).__name__, message)
-
-
-def pack_tensors(weights) -> list[list]:
-    """(name, tensor) pairs as plain data: [name, dtype name, shape, raw bytes] (no pickle)."""
-    packed = []
-    for name, tensor in weights:
-        t = tensor.detach().to("cpu").contiguous()
-        packed.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()])
-    return packed
-
-
-def unpack_tensors(packed: list[list]) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, dtype, shape, data in packed:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out.append((name, flat.view(dtype_from_name(dtype)).reshape(shape)))
-    return out
 
 
 class Lockstep(Protocol):

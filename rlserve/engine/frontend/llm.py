@@ -13,16 +13,12 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlserve.engine.frontend.args import make_engine_config
-from rlserve.engine.frontend.core_client import (
-    EngineDeadError,
-    collective_rpc_args,
-    load_weights_args,
-    make_client,
-)
+from rlserve.engine.frontend.clients import make_client
+from rlserve.engine.frontend.core_client import EngineDeadError, collective_rpc_args, load_weights_args
 from rlserve.engine.frontend.limits import EngineLimits
 from rlserve.engine.frontend.output_processor import OutputProcessor
 from rlserve.engine.wire.messages import AddRequest
-from rlserve.engine.worker.tracing import check_session, require_profiling
+from rlserve.engine.wire.profiling import check_session, require_profiling
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
