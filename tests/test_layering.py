@@ -99,3 +99,70 @@ def test_front_ends_use_the_engines_public_surface():
         if isinstance(node, ast.Attribute) and node.attr in ("engine_core", "runner", "scheduler", "kv_cache")
     ]
     assert not reaching, f"front ends reaching into the engine core: {reaching}"
+
+
+# The engine's sub-packages by the process they run in, each importing only those below it: the front end (the
+# caller's process) starts and drives the core, the core (its own process) drives the ranks, a rank runs the
+# scheduler's batches, and the wire is what every side agrees on.
+ENGINE_LAYERS: dict[str, int] = {"wire": 0, "sched": 1, "worker": 2, "core": 3, "frontend": 4}
+ENGINE = ROOT / "engine"
+
+
+def _engine_module(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _engine_imports() -> dict[str, set[str]]:
+    """Module -> the rlserve.engine modules it imports (`from package import module` names the module)."""
+    modules = {_engine_module(path): path for path in ENGINE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+                names = [name if name in modules else node.module for name in names]
+            else:
+                continue
+            targets.update(name for name in names if name in modules and name != module)
+    return graph
+
+
+def _sub_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 else None  # rlserve.engine.<sub-package>.<module>
+
+
+def test_engine_sub_packages_import_down() -> None:
+    graph = _engine_imports()
+    found = {_sub_package(m) for m in graph} - {None}
+    assert found <= set(ENGINE_LAYERS), f"give these a place in ENGINE_LAYERS: {sorted(found - set(ENGINE_LAYERS))}"
+    against = [
+        f"{src} -> {dst}"
+        for src, targets in graph.items()
+        for dst in targets
+        if _sub_package(src) != _sub_package(dst)
+        and (_sub_package(src) is None or ENGINE_LAYERS[_sub_package(dst)] >= ENGINE_LAYERS[_sub_package(src)])
+    ]
+    assert not against, "engine imports against frontend -> core -> worker -> sched -> wire:\n" + "\n".join(against)
+
+
+def test_no_import_circles_between_engine_modules() -> None:
+    graph = _engine_imports()
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            current = stack.pop()
+            if current == goal:
+                return True
+            if current not in seen:
+                seen.add(current)
+                stack.extend(graph[current])
+        return False
+
+    circled = sorted(m for m in graph if reaches(m, m))
+    assert not circled, f"engine modules on an import circle: {circled}"
