@@ -14,8 +14,8 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name, dtype_name
+from rlserve.engine.sched.batch import ScheduledRequest
 from rlserve.engine.sched.request import PLACEHOLDER, Request
-from rlserve.engine.sched.scheduler import ScheduledRequest
 from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
