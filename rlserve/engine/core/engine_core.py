@@ -32,7 +32,7 @@ from rlserve.engine.sched.kv_cache import KVCacheManager
 from rlserve.engine.sched.request import Request, RequestStatus
 from rlserve.engine.sched.scheduler import Scheduler, SchedulerConfig
 from rlserve.engine.wire.messages import EngineCoreOutput
-from rlserve.engine.worker.model_runner import LaunchedStep, RunnerOutput
+from rlserve.engine.worker.step_outputs import LaunchedStep, RunnerOutput
 from rlserve.engine.worker.tp_workers import create_runner
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import PositionLogprobsData

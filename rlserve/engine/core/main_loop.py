@@ -14,6 +14,8 @@ import multiprocessing
 import signal
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 import zmq
@@ -25,7 +27,13 @@ from rlserve.engine.wire.process import pid_alive
 from rlserve.engine.wire.startup import EXIT_PEER_LOST, EXIT_STEP_FAILED, CoreStartup
 from rlserve.log import configure_logging
 
+if TYPE_CHECKING:
+    from rlserve.engine.core.service import EngineCoreService
+
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RENDEZVOUS_FAILED = "data-parallel lockstep rendezvous failed: "
 
 PARENT_CHECK_INTERVAL_S = 0.5
 
@@ -59,44 +67,24 @@ def run_engine_core(
     """The core process's main: build the engine, report ready (or the error) to `ready` (a pipe's end, or anything
     with its send and close), serve until told to stop: by SIGTERM, or by `stop` where the caller owns the process (a
     Ray actor runs this on a thread of its own)."""
+    # Here, not at the top: the front end imports this module (its process target) and needs none of the engine.
     from rlserve.engine.core.engine_core import EngineCore
     from rlserve.engine.core.service import EngineCoreService
-    from rlserve.weight_transfer import WeightTransferEngineFactory
 
     if stop is None:
-        # The front end handles Ctrl-C and shuts the core down; the core must not die half-way through a step first.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+        stop = _stop_on_sigterm()
     configure_logging(startup.log_level)
     started = time.monotonic()
-    try:
-        for name, path in startup.extra_backends.items():
-            if name not in WeightTransferEngineFactory.available_engines():
-                WeightTransferEngineFactory.register_engine(name, path)
-    except BaseException as e:
-        ready.send(("error", f"{type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
+    config = startup.config
+    _or_report(ready, "", lambda: _register_backends(startup.extra_backends))
     store = None
-    if startup.config.data_parallel_lockstep:
-        try:  # waits for every rank: they start together
-            store = rendezvous_store(startup.config)
-        except BaseException as e:
-            ready.send(("error", f"data-parallel lockstep rendezvous failed: {type(e).__name__}: {e}"))
-            raise SystemExit(1) from None
-    try:
-        core = EngineCore(startup.config, store)
-    except BaseException as e:
-        ready.send(("error", f"{type(e).__name__}: {e}"))
-        raise SystemExit(1) from None
+    if config.data_parallel_lockstep:  # waits for every rank: they start together
+        store = _or_report(ready, RENDEZVOUS_FAILED, lambda: rendezvous_store(config))
+    core = _or_report(ready, "", lambda: EngineCore(config, store))
     context = zmq.Context()
     link = None
     if store is not None:
-        try:
-            link = LockstepLink(startup.config, context, store)
-        except BaseException as e:
-            ready.send(("error", f"data-parallel lockstep rendezvous failed: {type(e).__name__}: {e}"))
-            raise SystemExit(1) from None
+        link = _or_report(ready, RENDEZVOUS_FAILED, lambda: LockstepLink(config, context, store))
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a front end that left must not block the core
@@ -110,40 +98,8 @@ def run_engine_core(
     gc.freeze()
     ready.send(("ready", time.monotonic() - started))
     ready.close()
-    poller = zmq.Poller()
-    poller.register(socket, zmq.POLLIN)
-    if link is not None:  # a peer's wave notice wakes the loop as a front end's message does
-        poller.register(link.socket, zmq.POLLIN)
-    last_parent_check = time.monotonic()
     try:
-        while not stop.is_set():
-            timeout = int(service.input_timeout_s() * 1000)
-            while ready_sockets := dict(poller.poll(timeout)):
-                if link is not None and link.socket in ready_sockets:
-                    service.wave.wave_started(link.receive())
-                if socket in ready_sockets:
-                    client, payload = socket.recv_multipart(copy=True)
-                    try:
-                        message = codec.input_decoder.decode(payload)
-                    except (msgspec.DecodeError, ValueError):  # a front end's bug must not take the core down
-                        logger.exception("dropped a message the engine core cannot read")
-                    else:
-                        service.handle(client, message)
-                timeout = 0
-            try:
-                service.run_once()
-            except PeerLost as e:  # in the wave's all-gather: on a shutdown the ranks stop one after another
-                logger.warning("a data-parallel peer left (%s); this engine core exits", e)
-                raise SystemExit(EXIT_PEER_LOST) from None
-            if service.failure is not None:
-                raise SystemExit(EXIT_STEP_FAILED)
-            now = time.monotonic()
-            if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
-                last_parent_check = now
-                # The front end died without shutting us down (a Ray actor's owner is watched by Ray instead).
-                if startup.parent_pid is not None and not pid_alive(startup.parent_pid):
-                    logger.warning("the front-end process is gone; the engine core exits")
-                    break
+        _serve(service, socket, codec, link, stop, startup.parent_pid)
     finally:
         core.shutdown()
         if link is not None:
@@ -151,3 +107,75 @@ def run_engine_core(
         socket.close(linger=0)
         authenticator.stop()
         context.term()
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """The event SIGTERM sets, in a process of the core's own."""
+    # The front end handles Ctrl-C and shuts the core down; the core must not die half-way through a step first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    return stop
+
+
+def _register_backends(extra_backends: dict[str, str]) -> None:
+    from rlserve.weight_transfer import WeightTransferEngineFactory
+
+    for name, path in extra_backends.items():
+        if name not in WeightTransferEngineFactory.available_engines():
+            WeightTransferEngineFactory.register_engine(name, path)
+
+
+def _or_report(ready: multiprocessing.connection.Connection, prefix: str, build: Callable[[], T]) -> T:
+    """What `build` returns; if it raises, the error goes to the front end as why the core did not start, and the
+    process exits."""
+    try:
+        return build()
+    except BaseException as e:
+        ready.send(("error", f"{prefix}{type(e).__name__}: {e}"))
+        raise SystemExit(1) from None
+
+
+def _serve(
+    service: EngineCoreService,
+    socket: zmq.Socket,
+    codec: Codec,
+    link: LockstepLink | None,
+    stop: threading.Event,
+    parent_pid: int | None,
+) -> None:
+    """The busy loop: every queued message first (a front end's, a peer's wave notice), then one run of the service;
+    until `stop`, a failed step (SystemExit), a lost lockstep peer (SystemExit) or the front end's death."""
+    poller = zmq.Poller()
+    poller.register(socket, zmq.POLLIN)
+    if link is not None:  # a peer's wave notice wakes the loop as a front end's message does
+        poller.register(link.socket, zmq.POLLIN)
+    last_parent_check = time.monotonic()
+    while not stop.is_set():
+        timeout = int(service.input_timeout_s() * 1000)
+        while ready_sockets := dict(poller.poll(timeout)):
+            if link is not None and link.socket in ready_sockets:
+                service.wave.wave_started(link.receive())
+            if socket in ready_sockets:
+                client, payload = socket.recv_multipart(copy=True)
+                try:
+                    message = codec.input_decoder.decode(payload)
+                except (msgspec.DecodeError, ValueError):  # a front end's bug must not take the core down
+                    logger.exception("dropped a message the engine core cannot read")
+                else:
+                    service.handle(client, message)
+            timeout = 0
+        try:
+            service.run_once()
+        except PeerLost as e:  # in the wave's all-gather: on a shutdown the ranks stop one after another
+            logger.warning("a data-parallel peer left (%s); this engine core exits", e)
+            raise SystemExit(EXIT_PEER_LOST) from None
+        if service.failure is not None:
+            raise SystemExit(EXIT_STEP_FAILED)
+        now = time.monotonic()
+        if now - last_parent_check > PARENT_CHECK_INTERVAL_S:
+            last_parent_check = now
+            # The front end died without shutting us down (a Ray actor's owner is watched by Ray instead).
+            if parent_pid is not None and not pid_alive(parent_pid):
+                logger.warning("the front-end process is gone; the engine core exits")
+                return
