@@ -8,7 +8,6 @@ from typing import Any
 from rlserve.config import EngineConfig
 from rlserve.engine.frontend.core_client import AsyncMPClient, MPClient
 from rlserve.engine.frontend.dp_client import DPAsyncMPClient, DPMPClient
-from rlserve.engine.frontend.inproc_client import AsyncInprocClient, InprocClient
 from rlserve.engine.frontend.launcher import multiprocessing_enabled
 
 
@@ -31,10 +30,18 @@ def _check_data_parallel(config: EngineConfig) -> bool:
 def make_client(config: EngineConfig) -> Any:
     if _check_data_parallel(config):
         return DPMPClient(config)
-    return MPClient(config) if multiprocessing_enabled() else InprocClient(config)
+    if multiprocessing_enabled():
+        return MPClient(config)
+    from rlserve.engine.frontend.inproc_client import InprocClient  # here: only this mode imports the core
+
+    return InprocClient(config)
 
 
 def make_async_client(config: EngineConfig) -> Any:
     if _check_data_parallel(config):
         return DPAsyncMPClient(config)
-    return AsyncMPClient(config) if multiprocessing_enabled() else AsyncInprocClient(config)
+    if multiprocessing_enabled():
+        return AsyncMPClient(config)
+    from rlserve.engine.frontend.inproc_client import AsyncInprocClient  # here: only this mode imports the core
+
+    return AsyncInprocClient(config)
