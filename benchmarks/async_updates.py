@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import W1_ENGINE, workloads  # noqa: E402  (the benchmarks share W1's definition)
 
 from rlserve import RequestOutputKind, WeightTransferConfig  # noqa: E402
-from rlserve.engine.args import add_engine_arguments, engine_kwargs  # noqa: E402
-from rlserve.engine.async_llm import AsyncLLM  # noqa: E402
+from rlserve.engine.frontend.args import add_engine_arguments, engine_kwargs  # noqa: E402
+from rlserve.engine.frontend.async_llm import AsyncLLM  # noqa: E402
 from rlserve.toy import make_model_dir  # noqa: E402
 from rlserve.weight_transfer import (  # noqa: E402
     LoadWeightsFn,

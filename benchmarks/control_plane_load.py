@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 
 API_KEY = "load-key"
 MODEL_NAME = "toy"

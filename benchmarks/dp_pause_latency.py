@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from rlserve import SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 
 
 def build_model(preset: str) -> str:

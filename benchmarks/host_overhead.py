@@ -22,8 +22,8 @@ import time
 import torch
 
 from rlserve import LLM, RequestOutputKind, SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.worker.model_runner import LaunchedStep
+from rlserve.engine.frontend.async_llm import AsyncLLM
+from rlserve.engine.worker.step_outputs import LaunchedStep
 from rlserve.toy import make_model_dir
 
 

@@ -37,7 +37,7 @@ from transformers import AutoConfig
 from workloads import W1_ENGINE, run_engine, w1_shape, workloads
 
 from rlserve import LLM
-from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.frontend.args import add_engine_arguments, engine_kwargs
 from rlserve.model.loader import build_model
 from rlserve.model.models import SUPPORTED_ARCHITECTURES
 from rlserve.model.moe import FusedExperts

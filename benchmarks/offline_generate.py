@@ -36,7 +36,7 @@ import torch
 from workloads import W1_ENGINE, workloads
 
 from rlserve import LLM, LoRARequest
-from rlserve.engine.core_proc import multiprocessing_enabled
+from rlserve.engine.frontend.launcher import multiprocessing_enabled
 from rlserve.log import configure_logging
 from rlserve.toy import make_config_dir, make_lora_dir, make_model_dir
 

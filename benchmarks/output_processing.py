@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from rlserve.engine.messages import EngineCoreOutput
-from rlserve.engine.output_processor import OutputProcessor
+from rlserve.engine.frontend.output_processor import OutputProcessor
+from rlserve.engine.wire.messages import EngineCoreOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 from rlserve.toy import make_tokenizer
 

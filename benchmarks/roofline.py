@@ -117,7 +117,7 @@ def previous_roofline_seconds(steps: Sequence[Step], cost: ModelCost, ceilings: 
 
 
 def record_step(scheduled, block_size: int) -> Step:
-    """A step's figures from the scheduler's list (rlserve.engine.scheduler.ScheduledRequest), read at launch, when
+    """A step's figures from the scheduler's list (rlserve.engine.sched.batch.ScheduledRequest), read at launch, when
     each request's num_computed_tokens is still the step's start."""
     kv_per_block: dict[int, int] = {}
     sampled = context = 0

@@ -39,8 +39,8 @@ from w7_clients import send_all
 from workloads import w1_sampling, w7_prompts
 
 from rlserve import LLM
-from rlserve.engine.args import add_engine_arguments, engine_flags, engine_kwargs
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.frontend.args import add_engine_arguments, engine_flags, engine_kwargs
+from rlserve.engine.wire.process import free_port
 from rlserve.toy import make_model_dir
 
 SERVER_START_TIMEOUT_S = 600.0

@@ -40,7 +40,7 @@ from roofline import (
 from workloads import W1_ENGINE, run_engine, w1_shape, workloads
 
 from rlserve import LLM, SamplingParams
-from rlserve.engine.args import add_engine_arguments, engine_kwargs
+from rlserve.engine.frontend.args import add_engine_arguments, engine_kwargs
 from rlserve.toy import make_model_dir
 
 VARIANTS = {"sync": "without async scheduling", "inline": "its schedule recorded inside the timed runs"}

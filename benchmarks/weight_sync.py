@@ -64,7 +64,7 @@ from weight_sync_trainer import trainer_main
 
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_name
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.weight_transfer import (
     IPCWeightTransferEngine,
     NCCLWeightTransferEngine,

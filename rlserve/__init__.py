@@ -8,12 +8,12 @@ from typing import Any
 __version__ = "0.1.0"  # the one source of the version: pyproject reads it, and a source tree without install has it
 
 # The public names and their modules, imported on first access: a trainer that imports only `rlserve.rl.client`
-# (httpx) must not pay for torch and the engine, which `rlserve.engine.llm` pulls in.
+# (httpx) must not pay for torch and the engine, which `rlserve.engine.frontend.llm` pulls in.
 _EXPORTS = {
-    "LLM": "rlserve.engine.llm",
-    "AsyncLLM": "rlserve.engine.async_llm",
-    "AsyncEngineArgs": "rlserve.engine.args",
-    "EngineArgs": "rlserve.engine.args",
+    "LLM": "rlserve.engine.frontend.llm",
+    "AsyncLLM": "rlserve.engine.frontend.async_llm",
+    "AsyncEngineArgs": "rlserve.engine.frontend.args",
+    "EngineArgs": "rlserve.engine.frontend.args",
     "CompletionOutput": "rlserve.outputs",
     "EngineConfig": "rlserve.config",
     "Logprob": "rlserve.outputs",
@@ -21,7 +21,7 @@ _EXPORTS = {
     "ProfilerConfig": "rlserve.config",
     "RequestOutput": "rlserve.outputs",
     "RequestOutputKind": "rlserve.sampling_params",
-    "RetryableRequestError": "rlserve.engine.core_client",
+    "RetryableRequestError": "rlserve.engine.frontend.core_client",
     "SamplingParams": "rlserve.sampling_params",
     "WeightTransferConfig": "rlserve.config",
     "WeightTransferInitRequest": "rlserve.weight_transfer.base",

@@ -9,8 +9,8 @@ import sys
 import tempfile
 
 from rlserve import __version__
-from rlserve.engine.args import FlagParser, add_engine_arguments, engine_kwargs
-from rlserve.engine.core_proc import multiprocessing_enabled, start_fork_server
+from rlserve.engine.frontend.args import FlagParser, add_engine_arguments, engine_kwargs
+from rlserve.engine.frontend.launcher import multiprocessing_enabled, start_fork_server
 from rlserve.hub import ModelNotFoundError
 
 

@@ -1,7 +1,7 @@
 """Frozen configuration objects shared by the engine, the runner and the weight-transfer backends.
 
 Each `EngineConfig` field's `metadata` holds its `help` (and `choices` where the values are a fixed set):
-rlserve.engine.args derives the command-line flags from them, so a field and its flag cannot drift apart.
+rlserve.engine.frontend.args derives the command-line flags from them, so a field and its flag cannot drift apart.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class EngineConfig:
     max_model_len: int | None = _option(
         None, "longest sequence, prompt and output (default: the model's)", human_readable=True
     )
-    # None: chosen for the device in the engine's process (rlserve.engine.device_defaults, vLLM 0.33's tiers).
+    # None: chosen for the device in the engine's process (rlserve.engine.core.device_defaults, vLLM 0.33's tiers).
     max_num_seqs: int | None = _option(
         None, "most requests in one step (default: 1024 on a GPU of >= 70 GiB but an A100 or a GB10, else 256)"
     )

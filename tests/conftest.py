@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlserve import LLM, RequestOutput, SamplingParams
-from rlserve.engine.request import Request
+from rlserve.engine.sched.request import Request
 from rlserve.toy import make_model_dir
 
 # Tiny matmuls gain nothing from intra-op threads, and on a shared 2-core box oversubscription makes them ~5x slower.

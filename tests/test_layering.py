@@ -230,3 +230,29 @@ def test_route_table_allowlist_is_still_needed():
     lengths = {name: length for path in SERVER.rglob("*.py") for name, _, length in _function_lengths(path)}
     stale = [name for name in ROUTE_TABLES if lengths.get(name, 0) <= MAX_FUNCTION_LINES]
     assert not stale, f"drop from ROUTE_TABLES (gone, or now within {MAX_FUNCTION_LINES} lines): {stale}"
+
+
+# The engine's sub-packages by the process they run in, each importing only those below it: the front end (the
+# caller's process) starts and drives the core, the core (its own process) drives the ranks, a rank runs the
+# scheduler's batches, and the wire is what every side agrees on. (Circles inside the engine are the test above's.)
+ENGINE_LAYERS: dict[str, int] = {"wire": 0, "sched": 1, "worker": 2, "core": 3, "frontend": 4}
+
+
+def _sub_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "engine" else None  # rlserve.engine.<sub-package>.<module>
+
+
+def test_engine_sub_packages_import_down() -> None:
+    graph = {m: targets for m, targets in _module_imports(ROOT, ROOT.parent).items() if m.startswith("rlserve.engine")}
+    found = {_sub_package(m) for m in graph} - {None}
+    assert found <= set(ENGINE_LAYERS), f"give these a place in ENGINE_LAYERS: {sorted(found - set(ENGINE_LAYERS))}"
+    against = [
+        f"{src} -> {dst}"
+        for src, targets in graph.items()
+        for dst in targets
+        if dst.startswith("rlserve.engine")
+        and _sub_package(src) != _sub_package(dst)
+        and (_sub_package(src) is None or ENGINE_LAYERS[_sub_package(dst)] >= ENGINE_LAYERS[_sub_package(src)])
+    ]
+    assert not against, "engine imports against frontend -> core -> worker -> sched -> wire:\n" + "\n".join(against)

@@ -1,7 +1,7 @@
 """rlserve on Ray (the optional extra `ray`: pip install 'rlserve[ray]'): engines as Ray actors for a trainer script
-(engines.py). The engine's own `data_parallel_backend="ray"` is in rlserve.engine.core_actor."""
+(engines.py). The engine's own `data_parallel_backend="ray"` is in rlserve.engine.frontend.ray_launcher."""
 
-from rlserve.engine.core_actor import import_ray
+from rlserve.engine.frontend.ray_launcher import import_ray
 
 import_ray("rlserve.ray")  # fails here, naming the extra, rather than deep inside the first call
 

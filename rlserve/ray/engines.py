@@ -21,9 +21,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.core_actor import connect_ray
-from rlserve.engine.llm import _field
+from rlserve.engine.frontend.async_llm import AsyncLLM
+from rlserve.engine.frontend.llm import _field
+from rlserve.engine.frontend.ray_launcher import connect_ray
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams
 

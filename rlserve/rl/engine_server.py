@@ -16,8 +16,8 @@ from types import TracebackType
 
 import httpx
 
-from rlserve.engine.args import engine_flags
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.frontend.args import engine_flags
+from rlserve.engine.wire.process import free_port
 from rlserve.rl.client import AsyncRLServeClient
 
 ENGINE_START_TIMEOUT_S = 300.0

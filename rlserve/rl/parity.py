@@ -41,7 +41,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlserve.dtypes import TORCH_DTYPES
-from rlserve.engine.llm import LLM, load_tokenizer
+from rlserve.engine.frontend.llm import LLM, load_tokenizer
 from rlserve.model.loader import checkpoint_files, iterate_checkpoint
 from rlserve.model.models.llama import DecoderForCausalLM
 from rlserve.rl.train_forward import load_training_model

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from rlserve.dtypes import dtype_name
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.rl.client import AsyncRLServeClient
 from rlserve.rl.engine_server import EngineServer
 from rlserve.weight_transfer import (

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from rlserve.engine.call_policy import confined_weight_dir
+from rlserve.engine.wire.call_policy import confined_weight_dir
 from rlserve.server.guards import error_response
 from rlserve.server.protocol import APIError
 

@@ -23,15 +23,15 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rlserve
-from rlserve.engine.async_llm import (
+from rlserve.engine.frontend.async_llm import (
     AsyncLLM,
     EngineDeadError,
     RequestIdInUseError,
     RequestRefusedError,
     RetryableRequestError,
 )
-from rlserve.engine.llm import PromptType, ValidatedPrompt, render_chat
-from rlserve.engine.messages import PAUSED_REFUSAL
+from rlserve.engine.frontend.llm import PromptType, ValidatedPrompt, render_chat
+from rlserve.engine.wire.messages import PAUSED_REFUSAL
 from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams

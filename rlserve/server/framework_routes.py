@@ -40,7 +40,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.server.access import confined_dir
 from rlserve.server.generate_protocol import GenerateRequest, parse_body
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_OFF, LoadLoRAAdapterRequest, LoRAAdapters

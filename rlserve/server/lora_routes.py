@@ -30,7 +30,7 @@ from rlserve.server.generate_protocol import _StrictModel
 from rlserve.server.protocol import APIError, ModelCard
 
 if TYPE_CHECKING:
-    from rlserve.engine.async_llm import AsyncLLM
+    from rlserve.engine.frontend.async_llm import AsyncLLM
 
 RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 RUNTIME_LORA_UPDATING_OFF = (

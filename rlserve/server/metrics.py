@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # vLLM labels its engine series with the model and the engine index: per data-parallel rank for the engine cores'

@@ -23,10 +23,10 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import BeforeValidator, Field, StrictBool, StrictInt, StrictStr
 
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
-from rlserve.engine.call_policy import check_rpc_method
-from rlserve.engine.messages import SLEEP_MODES
-from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
+from rlserve.engine.frontend.async_llm import AsyncLLM, EngineDeadError, RequestRefusedError
+from rlserve.engine.wire.call_policy import check_rpc_method
+from rlserve.engine.wire.messages import SLEEP_MODES
+from rlserve.engine.wire.profiling import NOT_ENABLED, profiling_enabled
 from rlserve.server.access import RendezvousHosts, confined_dir
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.protocol import APIError, OpenAIBaseModel

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rlserve.dtypes import dtype_name
-from rlserve.engine.args import engine_kwargs
-from rlserve.engine.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
+from rlserve.engine.frontend.args import engine_kwargs
+from rlserve.engine.frontend.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import RL_API_KEY_ENV, build_app

@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from rlserve.engine.args import FlagParser, add_engine_arguments
+from rlserve.engine.frontend.args import FlagParser, add_engine_arguments
 from rlserve.hub import resolve_model
 from rlserve.server.app import API_KEY_ENV, RL_API_KEY_ENV
 from rlserve.server.defaults import (

@@ -14,8 +14,8 @@ import pytest
 
 from rlserve.cli import build_parser
 from rlserve.config import EngineConfig, ProfilerConfig, WeightTransferConfig
-from rlserve.engine import args as args_module
-from rlserve.engine.args import (
+from rlserve.engine.frontend import args as args_module
+from rlserve.engine.frontend.args import (
     FLAG_ALIASES,
     NOT_FLAGS,
     TAKES_ARGUMENT,
@@ -173,7 +173,7 @@ def test_profiler_config_takes_vllms_json_and_dotted_keys(tmp_path, monkeypatch,
     assert ProfilerConfig.from_dict({"profiler": "torch", "torch_profiler_dir": "/t", "ignore_frontend": True})
     # vLLM dropped the old variable; a script that still sets it is told so instead of finding profiling off
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
-    with caplog.at_level("WARNING", logger="rlserve.engine.args"):
+    with caplog.at_level("WARNING", logger="rlserve.engine.frontend.args"):
         assert make_engine_config("model-dir").profiler_config is None
     assert "VLLM_TORCH_PROFILER_DIR is set but not read" in caplog.text
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from rlserve import AsyncEngineArgs, AsyncLLM, SamplingParams
-from rlserve.engine.profiler import STEP_RANGE
+from rlserve.engine.worker.tracing import STEP_RANGE
 
 PROMPT = {"prompt_token_ids": [5, 17, 200, 33]}
 SHORT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

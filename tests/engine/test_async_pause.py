@@ -8,8 +8,8 @@ import time
 import pytest
 
 from rlserve import RequestOutputKind, SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.core_client import RetryableRequestError
+from rlserve.engine.frontend.async_llm import AsyncLLM
+from rlserve.engine.frontend.core_client import RetryableRequestError
 
 RESUME_TO_RETURN_LIMIT_S = 5.0  # generous for a loaded CI machine; the traffic below runs for up to 30 s
 

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from rlserve import RequestOutputKind, SamplingParams
-from rlserve.engine.request import PLACEHOLDER
+from rlserve.engine.sched.request import PLACEHOLDER
 
 PROMPTS = [
     {"prompt_token_ids": [5, 17, 200, 33, 90]},

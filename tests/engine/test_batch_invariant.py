@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlserve import SamplingParams, WeightTransferConfig
 from rlserve.dtypes import dtype_name
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.rl.train_forward import load_training_model
 from rlserve.rl.trainer_logprobs import trainer_logprobs
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
@@ -215,7 +215,7 @@ def test_prompt_logprobs_do_not_depend_on_the_batch_or_chunking(make_llm, genera
 
 @pytest.mark.usefixtures("model_names_as_dirs")
 def test_vllm_environment_switch_turns_it_on(monkeypatch) -> None:
-    from rlserve.engine.llm import make_engine_config
+    from rlserve.engine.frontend.llm import make_engine_config
 
     assert not make_engine_config("m").batch_invariant
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from rlserve import LLM, SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 
 EXTENSION = "worker_extension:CheckpointLoader"  # tests/worker_extension.py
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

@@ -13,7 +13,7 @@ import pytest
 from process_tree import engine_core_pids, survivors
 
 from rlserve import SamplingParams
-from rlserve.engine.core_client import EngineDeadError
+from rlserve.engine.frontend.core_client import EngineDeadError
 
 SCRIPT = """
 import gc, os, sys, time

@@ -18,9 +18,9 @@ from process_tree import engine_core_pids, survivors
 
 from rlserve import LLM, SamplingParams
 from rlserve.config import EngineConfig
-from rlserve.engine.core_client import EngineDeadError
-from rlserve.engine.dp_client import DPRouter, combined
-from rlserve.engine.messages import AddRequest, EngineCoreOutput, UtilityResult
+from rlserve.engine.frontend.core_client import EngineDeadError
+from rlserve.engine.frontend.dp_client import DPRouter, combined
+from rlserve.engine.wire.messages import AddRequest, EngineCoreOutput, UtilityResult
 
 EXTENSION = "worker_extension:CheckpointLoader"  # tests/worker_extension.py
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlserve.engine.detokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
+from rlserve.engine.frontend.detokenizer import StreamDetokenizer, WindowDetokenizer, make_detokenizer
 from rlserve.toy import make_tokenizer
 
 TEXTS = [

@@ -1,4 +1,4 @@
-"""Batch limits chosen per device when the user sets none (rlserve.engine.device_defaults): vLLM 0.33's tiers by
+"""Batch limits chosen per device when the user sets none (rlserve.engine.core.device_defaults): vLLM 0.33's tiers by
 memory (EngineArgs.get_batch_defaults, read from the vllm==0.33.0 wheel), on descriptions of real devices; a value
 the user sets always wins; on the CPU nothing changes."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from rlserve import LLM
 from rlserve.config import EngineConfig
-from rlserve.engine.device_defaults import GIB, DeviceDescription, batch_limits, with_device_defaults
+from rlserve.engine.core.device_defaults import GIB, DeviceDescription, batch_limits, with_device_defaults
 
 H200 = DeviceDescription("NVIDIA H200", 150_119_661_568, 132, (9, 0))  # 139.8 GiB, as torch reports it
 H100 = DeviceDescription("NVIDIA H100 80GB HBM3", 85_045_510_144, 132, (9, 0))
@@ -38,7 +38,7 @@ def test_limits_per_device(device, expected):
 
 
 def test_unset_limits_are_chosen_for_the_device_and_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="rlserve.engine.device_defaults"):
+    with caplog.at_level(logging.INFO, logger="rlserve.engine.core.device_defaults"):
         config = with_device_defaults(EngineConfig(model="m", device="cuda"), device=H200)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (1024, 16384)
     assert "max_num_seqs=1024" in caplog.text and "NVIDIA H200, 132 SMs" in caplog.text

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from rlserve import SamplingParams, WeightTransferConfig
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_name
-from rlserve.engine.async_llm import AsyncLLM, start_shared_cores
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.frontend.async_llm import AsyncLLM, start_shared_cores
+from rlserve.engine.wire.process import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 

@@ -1,4 +1,4 @@
-"""The lockstep wave protocol and its two-phase pause (rlserve/engine/dp_wave.py), driven by a simulator.
+"""The lockstep wave protocol and its two-phase pause (rlserve/engine/core/dp_wave.py), driven by a simulator.
 
 The simulator runs the real `LockstepRank` of every rank over fake engines, with its own scheduler choosing what
 happens next: a rank reads one message, hears a wave notice, or runs a loop iteration; a client sends its next call.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rlserve.engine.dp_wave import Gate, LockstepRank, SyncFlags
+from rlserve.engine.core.dp_wave import Gate, LockstepRank, SyncFlags
 
 MAX_ACTIONS = 6000  # per schedule: far above what a schedule needs (a few hundred), so reaching it is a livelock
 

@@ -17,8 +17,8 @@ from test_moe import MAX_TOKENS, PROMPTS, greedy, make_moe_dir, run, sampled_log
 
 from rlserve.cli import build_parser
 from rlserve.config import EngineConfig
-from rlserve.engine.args import engine_kwargs
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.args import engine_kwargs
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.model.loader import iterate_checkpoint
 from rlserve.weight_transfer import weight_checksums
 

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlserve import SamplingParams, WeightTransferConfig
-from rlserve.engine.core_client import RequestRefusedError
+from rlserve.engine.frontend.core_client import RequestRefusedError
 from rlserve.weight_transfer import (
     LoadWeightsFn,
     WeightTransferEngine,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import Request
+from rlserve.engine.sched.kv_cache import KVCacheManager
+from rlserve.engine.sched.request import Request
 from rlserve.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import Request, RequestStatus
-from rlserve.engine.scheduler import PauseState, Scheduler, SchedulerConfig
+from rlserve.engine.sched.kv_cache import KVCacheManager
+from rlserve.engine.sched.request import Request, RequestStatus
+from rlserve.engine.sched.scheduler import PauseState, Scheduler, SchedulerConfig
 from rlserve.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlserve import SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.toy import make_model_dir
 
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 33, 20)]
@@ -117,7 +117,7 @@ def test_level_2_then_wake_up_refuses_generation_until_every_weight_is_written(q
     """Woken without new weights, the engine holds uninitialised memory: it refuses to generate (issue 17.3/20.7)."""
     from safetensors.torch import load_file
 
-    from rlserve.engine.core_client import RequestRefusedError
+    from rlserve.engine.frontend.core_client import RequestRefusedError
 
     llm = make_llm(qwen3_dir)
     before = _tokens(generate(llm, PROMPTS, GREEDY))
@@ -141,7 +141,7 @@ def test_requests_kept_across_level_2_wait_for_the_weights(qwen3_dir) -> None:
     request is refused with the reason; once the weights are loaded the kept ones finish as an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from rlserve.engine.core_client import RequestRefusedError
+    from rlserve.engine.frontend.core_client import RequestRefusedError
 
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     weights = list(load_file(str(qwen3_dir / "model.safetensors")).items())

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 from conftest import KV_BLOCKS
 
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.outputs import CompletionOutput, RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 

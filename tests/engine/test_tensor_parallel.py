@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from rlserve import LLM, RequestOutput, SamplingParams
 from rlserve.config import WeightTransferConfig
-from rlserve.engine.dp_lockstep import free_port
-from rlserve.engine.profiler import STEP_RANGE
+from rlserve.engine.wire.process import free_port
+from rlserve.engine.worker.tracing import STEP_RANGE
 from rlserve.model.layers import ParallelLMHead, QKVParallelLinear, RowParallelLinear
 from rlserve.model.parallel import TensorParallelGroup
 from rlserve.weight_transfer import (

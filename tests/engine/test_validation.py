@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from rlserve import LLM, RequestOutput, SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 
 MAX_MODEL_LEN = 64
 GOOD = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

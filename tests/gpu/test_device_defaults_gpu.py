@@ -1,5 +1,5 @@
-"""On a GPU, an engine whose user sets no batch limits gets the ones rlserve.engine.device_defaults chooses for that
-GPU (on an H200: W1's tuned 1,024 sequences and 16,384 tokens per step), and a limit the user sets wins."""
+"""On a GPU, an engine whose user sets no batch limits gets the ones rlserve.engine.core.device_defaults chooses for
+that GPU (on an H200: W1's tuned 1,024 sequences and 16,384 tokens per step), and a limit the user sets wins."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from rlserve import LLM
 from rlserve.config import EngineConfig
-from rlserve.engine.device_defaults import batch_limits, describe_cuda_device, with_device_defaults
+from rlserve.engine.core.device_defaults import batch_limits, describe_cuda_device, with_device_defaults
 from rlserve.toy import make_model_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlserve import LLM, SamplingParams
-from rlserve.engine.async_llm import AsyncLLM
+from rlserve.engine.frontend.async_llm import AsyncLLM
 from rlserve.toy import make_model_dir
 
 pytestmark = [

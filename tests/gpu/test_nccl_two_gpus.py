@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
-from rlserve.engine.async_llm import AsyncLLM
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.frontend.async_llm import AsyncLLM
+from rlserve.engine.wire.process import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 

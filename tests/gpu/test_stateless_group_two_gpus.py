@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 
 pytestmark = [
     pytest.mark.gpu,

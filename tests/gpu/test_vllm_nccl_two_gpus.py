@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from vllm_trainer import replay_pack_chunks
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.toy import make_model_dir
 
 pytestmark = [

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from rlserve.engine.request import PLACEHOLDER, Request
+from rlserve.engine.sched.request import PLACEHOLDER, Request
 from rlserve.engine.worker.logits_inputs import build_logits_adjustments
 from rlserve.model.logits_adjustments import apply_logits_adjustments
 from rlserve.sampling_params import SamplingParams

@@ -22,11 +22,11 @@ from process_tree import survivors
 from weight_transfer.test_engine_weight_update import _checkpoint, _update_info
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
-from rlserve.engine.args import make_engine_config
-from rlserve.engine.async_llm import start_shared_cores
-from rlserve.engine.core_actor import RayLauncher
-from rlserve.engine.core_client import EngineDeadError, MPClient
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.frontend.args import make_engine_config
+from rlserve.engine.frontend.async_llm import start_shared_cores
+from rlserve.engine.frontend.core_client import EngineDeadError, MPClient
+from rlserve.engine.frontend.ray_launcher import RayLauncher
+from rlserve.engine.wire.process import free_port
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
 ray = pytest.importorskip("ray")

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 
 API_KEY = "test-key"
 MODEL_NAME = "toy"

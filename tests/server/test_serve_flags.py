@@ -18,7 +18,7 @@ from server_helpers import Server, launch
 from rlserve import LLM, SamplingParams
 from rlserve.cli import build_parser
 from rlserve.config import EngineConfig
-from rlserve.engine.args import engine_fields, engine_flags, engine_kwargs, make_engine_config
+from rlserve.engine.frontend.args import engine_fields, engine_flags, engine_kwargs, make_engine_config
 from rlserve.server import serve_flags
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest

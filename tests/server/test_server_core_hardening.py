@@ -18,7 +18,7 @@ import zmq
 from conftest import TESTS_DIR, _stop, _wait_healthy
 from server_helpers import API_KEY, MODEL_NAME, Server, Stream, launch
 
-from rlserve.engine.messages import UtilityCall
+from rlserve.engine.wire.messages import UtilityCall
 
 MAX_TRACED_STEPS = 2  # the operator's profiler_config.max_iterations
 

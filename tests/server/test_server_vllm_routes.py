@@ -18,7 +18,7 @@ from conftest import _serve
 from safetensors.torch import load_file
 from server_helpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Server
 
-from rlserve.engine.profiler import STEP_RANGE
+from rlserve.engine.worker.tracing import STEP_RANGE
 from rlserve.rl.client import RLServeClient
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums

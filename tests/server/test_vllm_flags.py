@@ -17,8 +17,8 @@ from server_helpers import Server, launch
 
 from rlserve import SamplingParams
 from rlserve.cli import build_parser
-from rlserve.engine.args import engine_kwargs, make_engine_config
-from rlserve.engine.limits import EngineLimits
+from rlserve.engine.frontend.args import engine_kwargs, make_engine_config
+from rlserve.engine.frontend.limits import EngineLimits
 from rlserve.server import vllm_flags
 from rlserve.server.vllm_flags import DECISIONS, Implemented, NoOp, Refused, VllmFlag
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 # The import is the only change from vLLM's example code.
 from rlserve import LLM, SamplingParams
 from rlserve.config import WeightTransferConfig
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import (
     NCCLTrainerSendWeightsArgs,

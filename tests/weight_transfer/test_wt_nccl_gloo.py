@@ -18,7 +18,7 @@ from torch import nn
 
 from rlserve.config import WeightTransferConfig
 from rlserve.dtypes import dtype_name
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.weight_transfer import (
     NCCLTrainerSendWeightsArgs,
     NCCLWeightTransferEngine,

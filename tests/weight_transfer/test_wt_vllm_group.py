@@ -20,7 +20,7 @@ from vllm_trainer import replay_unique_id_class
 from rlserve.distributed.device_communicators.pynccl import PyNcclCommunicator
 from rlserve.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
 from rlserve.distributed.utils import StatelessProcessGroup
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.wire.process import free_port
 from rlserve.weight_transfer.nccl_library import unique_id_from_bytes
 from rlserve.weight_transfer.stateless_group import decode_store_value, encode_store_value
 

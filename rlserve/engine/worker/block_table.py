@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlserve.engine.request import Request
+from rlserve.engine.sched.request import Request
 
 
 @dataclass

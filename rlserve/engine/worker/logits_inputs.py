@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from rlserve.engine.request import PLACEHOLDER, BadWordsOnDevice, Request
+from rlserve.engine.sched.request import PLACEHOLDER, BadWordsOnDevice, Request
 from rlserve.model.logits_adjustments import AllowedTokens, BadWords, LogitBias, LogitsAdjustments, Penalties
 
 Upload = Callable[[list, torch.dtype], torch.Tensor]
@@ -126,23 +126,11 @@ def build_logits_adjustments(
 
     adjust = LogitsAdjustments()
     if allowed_rows:
-        counts = [len(ids) for ids in allowed_ids]
-        rows_of_ids = torch.repeat_interleave(  # output_size: no wait for the device to count
-            longs(list(range(len(allowed_rows)))), longs(counts), output_size=sum(counts)
-        )
-        adjust.allowed = AllowedTokens(longs(allowed_rows), rows_of_ids, torch.cat(allowed_ids))
+        adjust.allowed = _allowed_tokens(allowed_rows, allowed_ids, longs)
     if bias_rows:
         adjust.bias = LogitBias(longs(bias_rows), longs(bias_ids), floats(bias_values))
     if bad_rows:
-        counts = [len(words.last_token_ids) for words in bad_words]
-        word_row = torch.repeat_interleave(longs(list(range(len(bad_rows)))), longs(counts), output_size=sum(counts))
-        prefixes = [F.pad(words.prefixes, (width - words.width, 0), value=-1) for words in bad_words]
-        adjust.bad_words = BadWords(
-            longs(bad_rows)[word_row],
-            torch.cat([words.last_token_ids for words in bad_words]),
-            torch.cat(prefixes),
-            bad_recent.upload(upload).view(len(bad_rows), width)[word_row],
-        )
+        adjust.bad_words = _bad_words_batch(bad_rows, bad_words, bad_recent, width, upload)
     if penalty_rows:
         adjust.penalties = Penalties(
             longs(penalty_rows),
@@ -155,3 +143,30 @@ def build_logits_adjustments(
             output_ids.upload(upload),
         )
     return adjust
+
+
+def _allowed_tokens(
+    rows: list[int], ids: list[torch.Tensor], longs: Callable[[list[int]], torch.Tensor]
+) -> AllowedTokens:
+    counts = [len(row_ids) for row_ids in ids]
+    rows_of_ids = torch.repeat_interleave(  # output_size: no wait for the device to count
+        longs(list(range(len(rows)))), longs(counts), output_size=sum(counts)
+    )
+    return AllowedTokens(longs(rows), rows_of_ids, torch.cat(ids))
+
+
+def _bad_words_batch(
+    rows: list[int], words: list[BadWordsOnDevice], recent: _TokenIds, width: int, upload: Upload
+) -> BadWords:
+    """One entry per (row, bad word): each word's prefix padded to `width`, against its row's recent tokens."""
+    counts = [len(row_words.last_token_ids) for row_words in words]
+    word_row = torch.repeat_interleave(
+        upload(list(range(len(rows))), torch.long), upload(counts, torch.long), output_size=sum(counts)
+    )
+    prefixes = [F.pad(row_words.prefixes, (width - row_words.width, 0), value=-1) for row_words in words]
+    return BadWords(
+        upload(rows, torch.long)[word_row],
+        torch.cat([row_words.last_token_ids for row_words in words]),
+        torch.cat(prefixes),
+        recent.upload(upload).view(len(rows), width)[word_row],
+    )

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -14,71 +14,27 @@ import torch
 
 from rlserve.config import EngineConfig
 from rlserve.dtypes import dtype_from_name, dtype_name
-from rlserve.engine.request import PLACEHOLDER, Request
-from rlserve.engine.scheduler import ScheduledRequest
+from rlserve.engine.sched.batch import ScheduledRequest
+from rlserve.engine.sched.request import Request
 from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
-from rlserve.engine.worker.logits_inputs import build_logits_adjustments
 from rlserve.engine.worker.routed_experts import RoutedExpertsRecorder
+from rlserve.engine.worker.sampling_inputs import sampling_metadata
+from rlserve.engine.worker.step_inputs import StepHeader, StepInputs, follower_header, gather_inputs
+from rlserve.engine.worker.step_outputs import LaunchedStep, RunnerOutput
+from rlserve.engine.worker.warm_up import dummy_sequence_meta, peak_memory_run, warm_up
 from rlserve.lora.peft import PEFTAdapter
 from rlserve.model.attention import AttentionMetadata, create_attention_backend
+from rlserve.model.forward_context import ForwardContext
 from rlserve.model.loader import load_model
 from rlserve.model.lora import lora_mask
-from rlserve.model.models.llama import ForwardContext
 from rlserve.model.moe import routed_experts_dtype
 from rlserve.model.parallel import TensorParallelGroup
-from rlserve.model.sampler import LogprobsTensors, Sampler, SamplingMetadata, gather_logprobs
-from rlserve.outputs import PositionLogprobsData
+from rlserve.model.sampler import LogprobsTensors, Sampler, gather_logprobs
 from rlserve.weight_transfer.packed import as_bytes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunnerOutput:
-    """Aligned with the scheduled list: a token where the request sampled, None where it only prefilled."""
-
-    sampled_token_ids: list[int | None]
-    logprobs: list[PositionLogprobsData | None]
-    # request index in the scheduled list -> logprobs of the prompt tokens this step's chunk predicts
-    prompt_logprobs: dict[int, list[PositionLogprobsData]]
-
-
-@dataclass(eq=False)
-class LaunchedStep:
-    """A step whose device work is enqueued; its results are read back by `ModelRunner.resolve`."""
-
-    scheduled: list[ScheduledRequest]
-    sample_rows: list[int]  # index into `scheduled` of each request that samples
-    sample_index: dict[str, int]  # request id -> row of its token in sampled_token_ids
-    prompt_rows: list[tuple[int, int, int]]  # (scheduled index, first hidden row, count)
-    sampled_token_ids: torch.Tensor  # on the device: the next step's placeholder inputs come from here
-    host_token_ids: torch.Tensor  # the same, being copied to (pinned) host memory
-    host_logprobs: LogprobsTensors | None
-    host_prompt_logprobs: LogprobsTensors | None
-    # With routed experts returned: the step's rows (host copy), each input token's slot, (request id, end) pairs.
-    host_routed: tuple[torch.Tensor, list[int], list[tuple[str, int]]] | None = None
-    done: torch.cuda.Event | None = None  # recorded after the copies; None on the CPU, where work is synchronous
-
-
-@dataclass(slots=True)
-class _StepInputs:
-    """One step's inputs in host form, one entry per input token or per scheduled request."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_table_rows: list[int]  # each request's row in the BlockTableBuffer
-    sample_rows: list[int]  # index into `scheduled` of each request that samples
-    logits_indices: list[int]  # input row whose hidden state samples, per sampling request
-    placeholder_rows: list[int]  # input rows whose token the previous step sampled ...
-    placeholder_sources: list[int]  # ... and where it sits in that step's sampled ids
-    prompt_rows: list[tuple[int, int, int]]  # (scheduled index, first hidden row, count) for prompt logprobs
-    prompt_targets: list[int]  # the prompt tokens those rows predict
-    lora_mapping: list[int] | None  # each input token's LoRA slot (-1: none); None when no request has an adapter
 
 
 class Followers(Protocol):
@@ -89,30 +45,6 @@ class Followers(Protocol):
     def mirrored(self, name: str, *args: Any) -> contextlib.AbstractContextManager[list[Any]]: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepHeader:
-    """The sizes of one step's inputs, which a follower needs to receive them (the inputs follow as one tensor)."""
-
-    num_tokens: int
-    num_seqs: int
-    block_table_columns: int
-    num_logits_rows: int  # rows whose logits the step samples
-    num_prompt_rows: int  # rows whose logits give prompt logprobs
-
-    @property
-    def numel(self) -> int:
-        return 3 * self.num_tokens + self.num_seqs * (self.block_table_columns + 2) + self.logits_numel
-
-    @property
-    def logits_numel(self) -> int:
-        return self.num_logits_rows + self.num_prompt_rows
-
-
-def _to_host(t: LogprobsTensors) -> list[PositionLogprobsData]:
-    columns = t.topk_ids.tolist(), t.topk_values.tolist(), t.token_values.tolist(), t.token_ranks.tolist()
-    return list(map(PositionLogprobsData._make, zip(*columns, strict=True)))
 
 
 class ModelRunner:
@@ -191,7 +123,16 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             logger.info("decode CUDA graphs captured in %.1f s", time.perf_counter() - phase)
         phase = time.perf_counter()
-        self._warm_up()
+        warm_up(
+            self.model,
+            self.kv_caches,
+            self.backend,
+            self.sampler,
+            self.max_model_len,
+            self.block_size,
+            self.fp32_head,
+            self.device,
+        )
         logger.info(
             "kernels warmed up in %.1f s; the runner took %.1f s",
             time.perf_counter() - phase,
@@ -247,40 +188,6 @@ class ModelRunner:
                 self.num_lora_slots,
             )
 
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """Run the kernel variants that the first requests would otherwise compile: Triton JIT takes seconds on the
-        GPU, which the first batch of a run paid (W1's first run took 8.0 s against 4.8 s for the next). Prefill
-        attention has a variant per query-length bucket, the fused sampler one per greedy/logprobs combination."""
-        dev = self.device
-        hidden = None
-        for q in (2, 4, 8, 16, 32, 64):
-            if q >= self.max_model_len:
-                break
-            meta = self._dummy_sequence_meta(q, context_len=q)
-            ids = torch.zeros(q, dtype=torch.long, device=dev)
-            hidden = self.model(ids, torch.arange(q, device=dev), ForwardContext(meta, self.kv_caches, self.backend))
-        if hidden is None:  # a model too short for any prefill
-            return
-        logits = self.model.compute_logits(hidden[-1:], self.fp32_head)
-        for greedy in (False, True):
-            for num_logprobs in (-1, 0):
-                meta = SamplingMetadata(
-                    temperature=torch.ones(1, device=dev),
-                    greedy=torch.full((1,), greedy, device=dev),
-                    top_k=None,
-                    top_p=None,
-                    min_p=None,
-                    generators=[None],
-                    min_tokens_mask=[],
-                    max_num_logprobs=num_logprobs,
-                    all_greedy=greedy,
-                    all_random=not greedy,
-                )
-                self.sampler(logits, meta)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
     @property
     def bytes_per_block(self) -> int:
         s = self.spec
@@ -291,7 +198,7 @@ class ModelRunner:
             return max(1, self.config.cpu_kv_cache_bytes // self.bytes_per_block)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
+        peak_memory_run(self.model, self.config, self.num_kv_heads, self.dtype, self.fp32_head, self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = (
@@ -304,40 +211,12 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _dummy_sequence_meta(self, num_tokens: int, context_len: int) -> AttentionMetadata:
-        """One sequence of num_tokens queries over context_len tokens of block 0, storing nothing (slot -1): for
-        forwards whose results are thrown away (the memory profile, the warm-up)."""
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([context_len], dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((1, -(-context_len // self.block_size)), dtype=torch.int32, device=dev),
-            max_seqlen_q=num_tokens,
-            max_seq_len=context_len,
-            query_lens_cpu=[num_tokens],
-            seq_lens_cpu=[context_len],
-        )
-
-    def _profile_run(self) -> None:
-        """A forward at the largest token budget with a one-block cache, so its activation peak can be measured."""
-        n = self.config.max_num_batched_tokens
-        shape = (1, self.block_size, self.num_kv_heads, self.spec.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(self.spec.num_layers)]
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = self._dummy_sequence_meta(n, context_len=1)
-        # Attention over a 1-token context is cheap; the peak comes from the projections and the MLP at n tokens.
-        hidden = self.model(ids, ids, ForwardContext(meta, caches, _NoAttention()))
-        self.model.compute_logits(hidden[: self.config.max_num_seqs], self.fp32_head)
-        torch.cuda.synchronize(self.device)
-        del caches, hidden
-
     @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
         """vLLM's: a one-token forward whose result is thrown away and which stores no KV (slot -1): the step of a
         data-parallel rank with no requests while its peers have some (lockstep), so that the collectives inside a
         step (expert parallelism's) find every rank."""
-        meta = self._dummy_sequence_meta(1, context_len=1)
+        meta = dummy_sequence_meta(1, 1, self.block_size, self.device)
         ids = torch.zeros(1, dtype=torch.long, device=self.device)
         # The other tensor-parallel ranks take the same step: the decoder's all-reduces need every rank.
         with self.on_device(), self.mirrored("execute_dummy_batch"):
@@ -373,31 +252,13 @@ class ModelRunner:
             step.done.synchronize()
         if step.host_routed is not None:
             self.routed_experts.record(*step.host_routed)
-        sampled: list[int | None] = [None] * len(step.scheduled)
-        logprobs: list[PositionLogprobsData | None] = [None] * len(step.scheduled)
-        for i, token in zip(step.sample_rows, step.host_token_ids.tolist(), strict=True):
-            sampled[i] = token
-        if step.host_logprobs is not None:
-            for i, row in zip(step.sample_rows, _to_host(step.host_logprobs), strict=True):
-                k = step.scheduled[i].request.sampling_params.logprobs
-                if k is not None:
-                    logprobs[i] = row._replace(topk_ids=row.topk_ids[:k], topk_values=row.topk_values[:k])
-        prompt_logprobs: dict[int, list[PositionLogprobsData]] = {}
-        if step.host_prompt_logprobs is not None:
-            host = _to_host(step.host_prompt_logprobs)
-            offset = 0
-            for i, _, count in step.prompt_rows:
-                kk = step.scheduled[i].request.sampling_params.prompt_logprobs
-                prompt_logprobs[i] = [
-                    PositionLogprobsData(a[:kk], b[:kk], c, d) for a, b, c, d in host[offset : offset + count]
-                ]
-                offset += count
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        return step.output()
 
     def _launch(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> LaunchedStep:
         if self.staging is not None:
             self.staging.next_step()
-        inputs = self._gather_inputs(scheduled, prev)
+        prev_index = {} if prev is None else prev.sample_index
+        inputs = gather_inputs(scheduled, prev_index, self.block_table_buffer, self.block_size, self.num_lora_slots)
         hidden = self._forward(inputs, prev)
         sampled_token_ids, logprobs = self._sample(hidden, scheduled, inputs, prev)
         prompt_logprobs = self._compute_prompt_logprobs(hidden, scheduled, inputs)
@@ -419,7 +280,7 @@ class ModelRunner:
         return step
 
     def _copy_routed_experts(
-        self, scheduled: list[ScheduledRequest], inputs: _StepInputs
+        self, scheduled: list[ScheduledRequest], inputs: StepInputs
     ) -> tuple[torch.Tensor, list[int], list[tuple[str, int]]] | None:
         """Start copying this step's routed experts back (on the CPU a copy: the next step reuses the buffer)."""
         if self.routed_experts is None:
@@ -429,70 +290,7 @@ class ModelRunner:
         ends = [(item.request.request_id, end) for item, end in zip(scheduled, inputs.seq_lens, strict=True)]
         return host, inputs.slot_mapping, ends
 
-    def _gather_inputs(self, scheduled: list[ScheduledRequest], prev: LaunchedStep | None) -> _StepInputs:
-        """One pass over the scheduled requests into flat host lists (a loop per list cost more at batch 1024)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        table_rows: list[int] = []
-        sample_rows: list[int] = []
-        logits_indices: list[int] = []
-        placeholder_rows: list[int] = []
-        placeholder_sources: list[int] = []
-        prompt_rows: list[tuple[int, int, int]] = []
-        prompt_targets: list[int] = []
-        lora_mapping: list[int] | None = None
-        if self.num_lora_slots and any(item.request.lora_slot >= 0 for item in scheduled):
-            lora_mapping = [slot for item in scheduled for slot in [item.request.lora_slot] * item.num_new_tokens]
-        bs = self.block_size
-        for i, item in enumerate(scheduled):
-            request, n = item.request, item.num_new_tokens
-            start = request.num_computed_tokens
-            first_row = len(input_ids)
-            table = request.block_table
-            if n == 1:  # decode: the common case, kept free of per-token loops
-                token = request.all_token_ids[start]
-                if token == PLACEHOLDER:
-                    placeholder_rows.append(first_row)
-                    placeholder_sources.append(prev.sample_index[request.request_id])
-                input_ids.append(token)
-                positions.append(start)
-                slot_mapping.append(table[start // bs] * bs + start % bs)
-            else:  # prefill chunks never hold placeholders: a request samples only once its prompt is computed
-                input_ids.extend(request.all_token_ids[start : start + n])
-                positions.extend(range(start, start + n))
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            table_rows.append(self.block_table_buffer.row(request))
-            if start + n == request.num_tokens:
-                sample_rows.append(i)
-                logits_indices.append(len(input_ids) - 1)
-            if request.sampling_params.prompt_logprobs is not None:
-                # Hidden row for position p predicts token p + 1; only prompt targets count.
-                count = max(0, min(start + n, request.num_prompt_tokens - 1) - start)
-                if count:
-                    prompt_rows.append((i, first_row, count))
-                    prompt_targets.extend(request.all_token_ids[start + 1 : start + 1 + count])
-        return _StepInputs(
-            input_ids,
-            positions,
-            slot_mapping,
-            query_lens,
-            seq_lens,
-            table_rows,
-            sample_rows,
-            logits_indices,
-            placeholder_rows,
-            placeholder_sources,
-            prompt_rows,
-            prompt_targets,
-            lora_mapping,
-        )
-
-    def _forward(self, inputs: _StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
         """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there), hand them to the
         other tensor-parallel ranks, and run the decoder."""
         max_seq_len = max(inputs.seq_lens)
@@ -515,7 +313,7 @@ class ModelRunner:
 
     def _lead_step(
         self,
-        inputs: _StepInputs,
+        inputs: StepInputs,
         ids: torch.Tensor,
         pos: torch.Tensor,
         slots: torch.Tensor,
@@ -523,18 +321,8 @@ class ModelRunner:
     ) -> None:
         """Send the followers this step's inputs: a header of sizes, then the inputs as one tensor, broadcast from
         the device (so the placeholders filled there need no read-back); they run the same forward and LM head."""
-        prompt_rows = [r for _, first, count in inputs.prompt_rows for r in range(first, first + count)]
-        header = StepHeader(
-            len(inputs.input_ids),
-            len(inputs.query_lens),
-            block_tables.shape[1],
-            len(inputs.logits_indices),
-            len(prompt_rows),
-        )
-        lengths = self._host_tensor(
-            inputs.query_lens + inputs.seq_lens + inputs.logits_indices + prompt_rows, torch.long
-        )
-        packed = torch.cat((ids, pos, slots, block_tables.flatten().long(), lengths))
+        header, lengths = follower_header(inputs, block_tables.shape[1])
+        packed = torch.cat((ids, pos, slots, block_tables.flatten().long(), self._host_tensor(lengths, torch.long)))
         self.followers.send("follow_step", header)
         self.tp.broadcast(packed)
 
@@ -545,16 +333,8 @@ class ModelRunner:
         with self.on_device():
             if self.staging is not None:
                 self.staging.next_step()
-            n, num_seqs = header.num_tokens, header.num_seqs
             packed = self.tp.broadcast(torch.empty(header.numel, dtype=torch.long, device=self.device))
-            ids, pos, slots, tables, lengths = packed.split(
-                (n, n, n, num_seqs * header.block_table_columns, 2 * num_seqs + header.logits_numel)
-            )
-            lengths = lengths.tolist()
-            query_lens, seq_lens = lengths[:num_seqs], lengths[num_seqs : 2 * num_seqs]
-            logits_rows = lengths[2 * num_seqs : 2 * num_seqs + header.num_logits_rows]
-            prompt_rows = lengths[2 * num_seqs + header.num_logits_rows :]
-            block_tables = tables.view(num_seqs, header.block_table_columns).to(torch.int32)
+            ids, pos, slots, block_tables, query_lens, seq_lens, logits_rows, prompt_rows = header.unpack(packed)
             seq_lens_t = self._host_tensor(seq_lens, torch.int32)
             hidden = self._run_model(ids, pos, slots, seq_lens_t, block_tables, query_lens, seq_lens)
             if logits_rows:
@@ -606,18 +386,23 @@ class ModelRunner:
         return self.model.compute_logits(hidden, self.fp32_head)
 
     def _sample(
-        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs, prev: LaunchedStep | None
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: StepInputs, prev: LaunchedStep | None
     ) -> tuple[torch.Tensor, LogprobsTensors | None]:
         """The next token (and its logprobs) of every request whose step reaches its last known token."""
         if not inputs.sample_rows:
             return torch.empty(0, dtype=torch.long, device=self.device), None
         requests = [scheduled[i].request for i in inputs.sample_rows]
         logits = self._logits(hidden, inputs.logits_indices)
-        out = self.sampler(logits, self._sampling_metadata(requests, prev))
+        prev_sampled, prev_index = (None, {}) if prev is None else (prev.sampled_token_ids, prev.sample_index)
+        vocab = self.spec.vocab_size
+        metadata = sampling_metadata(
+            requests, self._adjusting_logits, vocab, self._host_tensor, prev_sampled, prev_index
+        )
+        out = self.sampler(logits, metadata)
         return out.token_ids, out.logprobs
 
     def _compute_prompt_logprobs(
-        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: _StepInputs
+        self, hidden: torch.Tensor, scheduled: list[ScheduledRequest], inputs: StepInputs
     ) -> LogprobsTensors | None:
         if not inputs.prompt_rows:
             return None
@@ -644,41 +429,6 @@ class ModelRunner:
         if self.routed_experts is None:
             return None
         return self.routed_experts.take(request, self.block_size)
-
-    def _sampling_metadata(self, requests: list[Request], prev: LaunchedStep | None) -> SamplingMetadata:
-        params = [r.sampling_params for r in requests]
-        greedy = [p.greedy for p in params]
-        vocab = self.spec.vocab_size
-
-        column = self._host_tensor
-
-        any_top_k = any(p.top_k > 0 and not g for p, g in zip(params, greedy, strict=True))
-        any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(params, greedy, strict=True))
-        any_min_p = any(p.min_p > 0.0 and not g for p, g in zip(params, greedy, strict=True))
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        adjustments = None
-        if self._adjusting_logits:  # empty on the common path, which then pays nothing for these
-            rows = [i for i, r in enumerate(requests) if r.request_id in self._adjusting_logits]
-            if rows:
-                prev_sampled, prev_index = (None, {}) if prev is None else (prev.sampled_token_ids, prev.sample_index)
-                adjustments = build_logits_adjustments(requests, rows, self._host_tensor, prev_sampled, prev_index)
-        return SamplingMetadata(
-            temperature=column(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], torch.float32
-            ),
-            greedy=column(greedy, torch.bool),
-            top_k=column([p.top_k if p.top_k > 0 else vocab for p in params], torch.long) if any_top_k else None,
-            top_p=column([p.top_p for p in params], torch.float32) if any_top_p else None,
-            min_p=column([p.min_p for p in params], torch.float32) if any_min_p else None,
-            generators=[r.generator for r in requests],
-            min_tokens_mask=[
-                (i, sorted(r.stop_ids)) for i, r in enumerate(requests) if r.below_min_tokens and r.stop_ids
-            ],
-            max_num_logprobs=max(wanted) if wanted else -1,
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            adjustments=adjustments,
-        )
 
     # ---- sleep: give the device memory back (a colocated trainer needs it), and take it again ----
 
@@ -843,10 +593,3 @@ class ModelRunner:
             for name, param in self.model.named_parameters():
                 param.data.copy_(snapshot[name])
         self.model.drop_derived_weights()
-
-
-class _NoAttention:
-    """Stands in for attention during the memory profile: returns q unchanged."""
-
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
-        return q

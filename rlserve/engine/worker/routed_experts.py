@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlserve.engine.request import Request
+from rlserve.engine.sched.request import Request
 
 
 class RoutedExpertsRecorder:

@@ -30,11 +30,13 @@ import torch
 from torch.distributed import TCPStore
 
 from rlserve.config import EngineConfig, WeightTransferConfig
-from rlserve.engine.dp_lockstep import COLLECTIVE_TIMEOUT
-from rlserve.engine.profiler import TraceProfiler, profiling_enabled, trace_name
+from rlserve.engine.wire.backends import registered_backends
+from rlserve.engine.wire.process import COLLECTIVE_TIMEOUT, pid_alive
+from rlserve.engine.wire.profiling import profiling_enabled
 from rlserve.engine.worker.extension import call as call_worker
 from rlserve.engine.worker.extension import make_worker
 from rlserve.engine.worker.model_runner import ModelRunner
+from rlserve.engine.worker.tracing import TraceProfiler, trace_name
 from rlserve.log import configure_logging
 from rlserve.model.parallel import TensorParallelGroup, serve_store, store_client
 
@@ -57,7 +59,7 @@ class FollowerStartup:
     store_port: int
     parent_pid: int
     log_level: int
-    extra_backends: dict[str, str]  # weight-transfer backends registered by class (core_client.registered_backends)
+    extra_backends: dict[str, str]  # weight-transfer backends registered by class (wire.backends.registered_backends)
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -111,7 +113,7 @@ class _Follower:
         self.rank = startup.rank
         self.config = startup.config
         self.runner = runner
-        # start_profile/stop_profile reach this rank too: a trace of its own process (profiler.py)
+        # start_profile/stop_profile reach this rank too: a trace of its own process (worker/tracing.py)
         self.profiler = None
         if profiling_enabled(self.config):
             self.profiler = TraceProfiler(self.config.profiler_config, runner.device)
@@ -252,8 +254,6 @@ class TPWorkers:
         self._lock = threading.Lock()
         self.conns: list[Connection] = []
         self.processes: list[subprocess.Popen] = []
-        from rlserve.engine.core_client import registered_backends
-
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
         extra_backends = registered_backends(config)
         # This process's import path, so that what it imports (a worker extension beside a script) imports there.
@@ -354,8 +354,6 @@ class TPWorkers:
 
 
 def _exit_with(parent_pid: int) -> None:
-    from rlserve.engine.core_proc import pid_alive
-
     while pid_alive(parent_pid):
         time.sleep(PARENT_CHECK_INTERVAL_S)
     os._exit(0)  # rank 0 is gone: nothing will ever drive this rank again

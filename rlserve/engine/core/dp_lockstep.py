@@ -18,29 +18,19 @@ it was started.
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import TYPE_CHECKING
 
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.dp_wave import SyncFlags
+from rlserve.engine.core.dp_wave import SyncFlags
+from rlserve.engine.wire.process import COLLECTIVE_TIMEOUT
 
 if TYPE_CHECKING:
     import torch.distributed
 
-# A rank waits in the all-gather for as long as a peer runs a control call between two steps (a checkpoint reload,
-# a weight update's transfer): generous. A peer that died fails the front end's liveness check long before.
-COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)  # every rank's model loads before it joins
 _NOTICE_KEY = "rlserve/dp/notices/{}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (an IPv4 or IPv6 address) now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class PeerLost(RuntimeError):
@@ -50,7 +40,7 @@ class PeerLost(RuntimeError):
 def rendezvous_store(config: EngineConfig) -> torch.distributed.TCPStore:
     """The ranks' store at `data_parallel_master_ip:data_parallel_master_port`, served by rank 0; it waits for
     every rank (they start together)."""
-    import torch.distributed as dist  # here: free_port's importers (front ends, a launcher) need no torch.distributed
+    import torch.distributed as dist  # here: the front end imports the core's main loop (its process target)
 
     rank, size = config.data_parallel_rank, config.data_parallel_size
     return dist.TCPStore(

@@ -14,11 +14,6 @@ import asyncio
 import builtins
 import itertools
 import logging
-import os
-import queue
-import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +21,9 @@ import zmq
 import zmq.asyncio
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_auth import present_secret
-from rlserve.engine.core_proc import CoreProcess, multiprocessing_enabled, pid_alive
-from rlserve.engine.messages import (
+from rlserve.engine.frontend.launcher import ProcessLauncher
+from rlserve.engine.wire.auth import present_secret
+from rlserve.engine.wire.messages import (
     AbortRequests,
     AddRequest,
     AddRequests,
@@ -40,11 +35,12 @@ from rlserve.engine.messages import (
     UtilityResult,
     unpack_outputs,
 )
+from rlserve.engine.wire.process import pid_alive
+from rlserve.engine.wire.tensors import pack_tensors
 
 logger = logging.getLogger(__name__)
 
 LIVENESS_INTERVAL_S = 0.2
-IN_PROCESS = b"in-process"  # the one front end of a core in this process
 
 
 class EngineDeadError(Exception):
@@ -94,35 +90,11 @@ def raise_for(result: UtilityResult) -> Any:
     raise RuntimeError(f"{result.error_type}: {result.error}")
 
 
-def registered_backends(config: EngineConfig) -> dict[str, str]:
-    """The configured weight-transfer backend as an import path the core process (or a tensor-parallel rank's) can
-    load, when the caller registered it by class (the registry of this process is not the core's)."""
-    from rlserve.weight_transfer import WeightTransferEngineFactory
-    from rlserve.weight_transfer.factory import SCRIPT_MODULE_PREFIX
-
-    wt = config.weight_transfer_config
-    if wt is None or wt.backend in ("nccl", "ipc") or ":" in wt.backend:
-        return {}
-    try:
-        cls = WeightTransferEngineFactory.get_engine_cls(wt.backend)
-    except ValueError:
-        return {}  # the core reports the unknown name, with the fix
-    if "<locals>" in cls.__qualname__:
-        return {}  # defined inside a function: nothing another process can import (the core names the fix)
-    module = sys.modules.get(cls.__module__)
-    from_script = cls.__module__ in ("__main__", "__mp_main__") or cls.__module__.startswith(SCRIPT_MODULE_PREFIX)
-    if from_script and getattr(module, "__file__", None):
-        return {wt.backend: f"{os.path.abspath(module.__file__)}:{cls.__qualname__}"}
-    return {wt.backend: f"{cls.__module__}:{cls.__qualname__}"}
-
-
 def load_weights_args(client: Any, weights, reset_prefix_cache: bool) -> list[Any]:
     """The arguments of a load_weights call: the tensors themselves for a core in this process, packed as plain
     data (pack_tensors) for one in another."""
     if client.in_process:
         return [list(weights), reset_prefix_cache]
-    from rlserve.engine.core_service import pack_tensors
-
     return [pack_tensors(weights), reset_prefix_cache]
 
 
@@ -137,83 +109,6 @@ def collective_rpc_args(client: Any, method: Any, args: tuple, kwargs: dict | No
 
 
 # ---- synchronous: LLM ----
-
-
-class InprocClient:
-    """The core in this process, driven by the caller's thread."""
-
-    in_process = True
-
-    def __init__(self, config: EngineConfig) -> None:
-        from rlserve.engine.core import EngineCore
-        from rlserve.engine.core_service import EngineCoreService
-
-        self.service = EngineCoreService(EngineCore(config), self)
-        self._outputs: list[EngineCoreOutput] = []
-        self._results: dict[int, UtilityResult] = {}
-        self._ids = itertools.count(1)
-        self.not_serving: str | None = None  # the core's EngineStatus, as last sent
-        self.rejecting_new_requests = False
-
-    def connect(self) -> dict[str, Any]:
-        return self.call("engine_info")
-
-    def send_outputs(self, client, outputs: list[EngineCoreOutput]) -> None:
-        self._outputs += outputs
-
-    def send_result(self, client, result: UtilityResult) -> None:
-        self._results[result.call_id] = result
-
-    def send_status(self, client, status: EngineStatus) -> None:
-        self.not_serving, self.rejecting_new_requests = status.not_serving, status.rejecting_new_requests
-
-    def add(self, requests: list[AddRequest], session_id: str | None = None) -> None:
-        self.service.handle(IN_PROCESS, AddRequests(requests))
-
-    def abort(self, request_ids: list[str]) -> None:
-        self.service.handle(IN_PROCESS, AbortRequests(list(request_ids)))
-
-    def call(self, method: str, *args: Any) -> Any:
-        call_id = next(self._ids)
-        self.service.handle(IN_PROCESS, UtilityCall(call_id, method, list(args)))
-        while call_id not in self._results:
-            self.service.run_once()
-            if not self.service.core.has_work():  # waiting on a thread (a rendezvous): do not spin
-                time.sleep(0.001)
-        return raise_for(self._results.pop(call_id))
-
-    def get_outputs(self) -> list[EngineCoreOutput]:
-        if not self._outputs:
-            self.service.run_once()
-            if self.service.failure is not None:
-                raise EngineDeadError(f"an engine step failed: {self.service.failure!r}")
-        outputs, self._outputs = self._outputs, []
-        return outputs
-
-    def shutdown(self) -> None:
-        self.service.core.shutdown()
-
-
-class ProcessLauncher:
-    """`data_parallel_backend="mp"`: each core a child process of this one (core_proc.py)."""
-
-    @staticmethod
-    def launch(config: EngineConfig) -> CoreProcess:
-        return CoreProcess(config, registered_backends(config))
-
-    def shutdown(self) -> None:
-        """Nothing of its own to stop: each core's client stops its process."""
-
-
-def make_launcher(config: EngineConfig) -> Any:
-    """What starts the engine cores of `config`: `launch(rank_config)` returns a handle on one core (its address
-    once `wait_ready` returned, `is_alive`, `death_reason`, `stopped`, `shutdown`), `shutdown()` stops what the
-    launcher holds for all of them."""
-    if config.data_parallel_backend == "ray":
-        from rlserve.engine.core_actor import RayLauncher  # Ray is an optional extra
-
-        return RayLauncher(config)
-    return ProcessLauncher()
 
 
 class MPClient:
@@ -306,30 +201,6 @@ class MPClient:
         self.process.shutdown()
 
 
-def _check_data_parallel(config: EngineConfig) -> bool:
-    """Whether `config` asks for the data-parallel client: several cores (each then needs a process of its own), or
-    cores that are Ray actors (their launcher, which holds the placement group, belongs to that client)."""
-    if config.data_parallel_size > 1 and not multiprocessing_enabled():
-        raise ValueError(
-            f"data_parallel_size: {config.data_parallel_size} engine cores run in processes of their own; unset "
-            "RLSERVE_ENABLE_MULTIPROCESSING=0 (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-        )
-    if config.data_parallel_backend == "ray" and not multiprocessing_enabled():
-        raise ValueError(
-            "data_parallel_backend: ray runs the engine cores as Ray actors, not in this process; unset "
-            "RLSERVE_ENABLE_MULTIPROCESSING=0 (or VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-        )
-    return config.data_parallel_size > 1 or config.data_parallel_backend == "ray"
-
-
-def make_client(config: EngineConfig) -> Any:
-    if _check_data_parallel(config):
-        from rlserve.engine.dp_client import DPMPClient  # it builds on the clients here
-
-        return DPMPClient(config)
-    return MPClient(config) if multiprocessing_enabled() else InprocClient(config)
-
-
 # ---- asyncio: AsyncLLM and the API servers ----
 
 
@@ -399,64 +270,6 @@ class AsyncClientBase:
 
     def _send(self, message) -> None:
         raise NotImplementedError
-
-
-class AsyncInprocClient(AsyncClientBase):
-    """The core in this process, on a thread of its own: the event loop never waits on a step."""
-
-    in_process = True
-
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
-        from rlserve.engine.core import EngineCore
-        from rlserve.engine.core_service import EngineCoreService
-
-        self.service = EngineCoreService(EngineCore(config), self)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="rlserve-engine-core", daemon=True)
-        self._thread.start()
-
-    def connect(self) -> dict[str, Any]:
-        return self.service.engine_info(IN_PROCESS, None)
-
-    def _serve(self) -> None:
-        service = self.service
-        while not self._stopped.is_set():
-            timeout = service.input_timeout_s()
-            try:
-                message = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
-            except queue.Empty:
-                message = None
-            if message is not None:
-                service.handle(IN_PROCESS, message)
-                continue  # take every queued message before the next step
-            service.run_once()
-            if service.failure is not None and self.loop is not None:
-                reason = f"an engine step failed: {service.failure!r}"
-                self.loop.call_soon_threadsafe(self._die, reason)
-                return
-
-    def send_outputs(self, client, outputs: list[EngineCoreOutput]) -> None:
-        self.loop.call_soon_threadsafe(self.on_outputs, outputs)
-
-    def send_result(self, client, result: UtilityResult) -> None:
-        self.loop.call_soon_threadsafe(self._file_result, result)
-
-    def send_status(self, client, status: EngineStatus) -> None:
-        # The first message may come before any event loop used the engine (a status has no caller to wait).
-        if self.loop is None:
-            self._set_status(status)
-        else:
-            self.loop.call_soon_threadsafe(self._set_status, status)
-
-    def _send(self, message) -> None:
-        self._inbox.put(message)
-
-    def shutdown(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=10)
-        self.service.core.shutdown()
 
 
 class AsyncMPClient(AsyncClientBase):
@@ -550,11 +363,3 @@ class AsyncMPClient(AsyncClientBase):
             self.context.term()
         if self.process is not None:
             self.process.shutdown()
-
-
-def make_async_client(config: EngineConfig) -> Any:
-    if _check_data_parallel(config):
-        from rlserve.engine.dp_client import DPAsyncMPClient  # it builds on the clients here
-
-        return DPAsyncMPClient(config)
-    return AsyncMPClient(config) if multiprocessing_enabled() else AsyncInprocClient(config)

@@ -33,7 +33,7 @@ only on a paused engine: queued behind a pause in phase 1 and run in arrival ord
 on an engine that is not paused.
 
 `LockstepRank` is plain code with no I/O: the engine-core process drives it with a gloo all-gather and ZMQ notices
-(core_proc.py), tests/engine/test_dp_wave.py with simulated ranks and collectives. `two_phase=False` is the naive
+(main_loop.py), tests/engine/test_dp_wave.py with simulated ranks and collectives. `two_phase=False` is the naive
 one-phase pause (stop at once), kept so that the tests can show what the two phases prevent.
 """
 

@@ -12,24 +12,20 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlserve.engine.args import make_engine_config
-from rlserve.engine.core_client import (
-    EngineDeadError,
-    collective_rpc_args,
-    load_weights_args,
-    make_client,
-)
-from rlserve.engine.limits import EngineLimits
-from rlserve.engine.messages import AddRequest
-from rlserve.engine.output_processor import OutputProcessor
-from rlserve.engine.profiler import check_session, require_profiling
+from rlserve.engine.frontend.args import make_engine_config
+from rlserve.engine.frontend.clients import make_client
+from rlserve.engine.frontend.core_client import EngineDeadError, collective_rpc_args, load_weights_args
+from rlserve.engine.frontend.limits import EngineLimits
+from rlserve.engine.frontend.output_processor import OutputProcessor
+from rlserve.engine.wire.messages import AddRequest
+from rlserve.engine.wire.profiling import check_session, require_profiling
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from rlserve.config import EngineConfig
-    from rlserve.engine.core import EngineCore
+    from rlserve.engine.core.engine_core import EngineCore
 
 PromptType = str | dict[str, Any]
 
@@ -451,7 +447,7 @@ class LLM(EngineFrontEnd):
     def reset_prefix_cache(self) -> None:
         self.client.call("reset_prefix_cache")
 
-    # ---- profiling, vLLM's names (rlserve.engine.profiler) ----
+    # ---- profiling, vLLM's names (rlserve.engine.worker.tracing) ----
 
     def start_profile(
         self,

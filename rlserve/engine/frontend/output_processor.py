@@ -15,9 +15,9 @@ from typing import Protocol
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from rlserve.engine.core_client import RequestRefusedError, refusal
-from rlserve.engine.detokenizer import Detokenizer, find_stop_string, make_detokenizer
-from rlserve.engine.messages import EngineCoreOutput
+from rlserve.engine.frontend.core_client import RequestRefusedError, refusal
+from rlserve.engine.frontend.detokenizer import Detokenizer, find_stop_string, make_detokenizer
+from rlserve.engine.wire.messages import EngineCoreOutput
 from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, PositionLogprobsData, RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Collection
 
-from rlserve.engine.messages import ENGINE_RPC_METHODS
+from rlserve.engine.wire.messages import ENGINE_RPC_METHODS
 
 
 def check_rpc_method(method: str, extension_methods: Collection[str]) -> None:

@@ -1,10 +1,10 @@
 """What the fork server that engine-core processes are forked from imports at its start (multiprocessing's
-forkserver preload; see core_proc): the engine, once for every core, and the fork server's own signal manners.
-Imported there only."""
+forkserver preload; see rlserve.engine.frontend.launcher): the engine, once for every core, and the fork server's
+own signal manners. Imported there only."""
 
 import signal
 
-import rlserve.engine.core_service  # noqa: F401  (the engine's modules, imported once for every core)
+import rlserve.engine.core.service  # noqa: F401  (the engine's modules, imported once for every core)
 from rlserve.model.loader import import_config_classes
 
 import_config_classes()

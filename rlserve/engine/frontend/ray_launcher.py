@@ -2,7 +2,7 @@
 
 `RayLauncher` reserves a placement group of one bundle per data-parallel rank (a GPU each on CUDA, a CPU on the
 CPU; PACK: one node while it has room, the next ones after) and starts each rank's core in an `EngineCoreActor` on its
-bundle. The actor runs the same core loop as a core process (core_proc.py) on a thread of its own and binds the same
+bundle. The actor (core/actor.py) runs the same core loop as a core process on a thread of its own and binds the same
 ZMQ socket, so the front end speaks the same typed messages to it: an ipc socket when the actor shares the front
 end's node, TCP on the actor's node address otherwise. Everything above the client is unchanged.
 
@@ -14,24 +14,16 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import replace
 from typing import Any
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_auth import new_secret, private_ipc_address, remove_ipc_address
-from rlserve.engine.core_client import registered_backends
-from rlserve.engine.core_proc import (
-    EXIT_PEER_LOST,
-    EXIT_STEP_FAILED,
-    STARTUP_TIMEOUT_S,
-    CoreStartup,
-    run_engine_core,
-    startup_error,
-)
-from rlserve.engine.dp_lockstep import free_port
+from rlserve.engine.core.actor import EngineCoreActor
+from rlserve.engine.frontend.launcher import STARTUP_TIMEOUT_S, startup_error
+from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address
+from rlserve.engine.wire.backends import registered_backends
+from rlserve.engine.wire.startup import EXIT_PEER_LOST, EXIT_STEP_FAILED, CoreStartup
 
 logger = logging.getLogger(__name__)
 
@@ -61,64 +53,8 @@ def connect_ray(what: str) -> Any:
     return ray
 
 
-class _ReadyQueue:
-    """The core's ready report (run_engine_core sends it down a pipe in a process of its own) kept for `wait_ready`."""
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-
-    def send(self, message: tuple[str, Any]) -> None:
-        self.queue.put(message)
-
-    def close(self) -> None:
-        """Nothing to close: the queue lives as long as the actor."""
-
-
-class EngineCoreActor:
-    """One engine core in a Ray actor (threaded: `run` serves while `wait_ready` and `stop` answer)."""
-
-    def __init__(self, startup: CoreStartup, front_end_node_id: str) -> None:
-        import ray
-
-        # The front end proposed an ipc address on its own node; on another node the core listens on TCP, on the
-        # address the cluster knows this node by.
-        node_id = ray.get_runtime_context().get_node_id()
-        if node_id != front_end_node_id:
-            host = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
-            startup = replace(startup, address=f"tcp://{_join_host(host)}:{free_port(host)}")
-        self.startup = startup
-        self._ready = _ReadyQueue()
-        self._stop = threading.Event()
-
-    def address(self) -> tuple[str, int]:
-        """Where the core listens, and the actor's process id (for logs)."""
-        return self.startup.address, os.getpid()
-
-    def run(self) -> int:
-        """Build the core and serve until `stop`; the exit code a core process would have had."""
-        try:
-            run_engine_core(self.startup, self._ready, self._stop)
-        except SystemExit as e:  # how the core loop reports a failed start or step
-            return e.code if isinstance(e.code, int) else 1
-        return 0
-
-    def wait_ready(self, timeout: float) -> tuple[str, Any]:
-        """("ready", seconds to build) or ("error", why), as the core reported it."""
-        try:
-            return self._ready.queue.get(timeout=timeout)
-        except queue.Empty:
-            return "error", f"RuntimeError: the engine core did not start within {timeout:.0f} s"
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _join_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
 class RayCore:
-    """The front end's handle on one core actor, with the surface of core_proc.CoreProcess."""
+    """The front end's handle on one core actor, with the surface of launcher.CoreProcess."""
 
     def __init__(self, ray: Any, actor: Any, rank: int, address: str, secret: str) -> None:
         self.ray = ray

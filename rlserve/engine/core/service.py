@@ -1,7 +1,7 @@
 """The engine core's side of the message protocol: add/abort/control messages in, step outputs and results out.
 
 One service runs the core's busy loop whatever carries the messages: a ZMQ socket in the engine-core process (the
-default, see core_proc.py) or a queue in a thread of the caller's process (the in-process mode). Everything that
+default, see main_loop.py) or a queue in a thread of the caller's process (the in-process mode). Everything that
 touches the core runs on the loop's thread, between steps, so a weight update never overlaps a forward pass.
 """
 
@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
-import torch
 
-from rlserve.dtypes import dtype_from_name
-from rlserve.engine.core import EngineCore
-from rlserve.engine.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
-from rlserve.engine.messages import (
+from rlserve.engine.core.dp_wave import Gate, LockstepRank, SyncFlags, run_iteration
+from rlserve.engine.core.engine_core import EngineCore
+from rlserve.engine.wire.messages import (
     PAUSED_REFUSAL,
     SLEEP_MODES,
     AbortRequests,
@@ -35,6 +33,7 @@ from rlserve.engine.messages import (
     plain_data,
     resolve_pause_mode,
 )
+from rlserve.engine.wire.tensors import unpack_tensors
 from rlserve.engine.worker.extension import extension_methods
 
 logger = logging.getLogger(__name__)
@@ -69,23 +68,6 @@ def error_result(call_id: int, error: BaseException) -> UtilityResult:
     return UtilityResult(call_id, None, type(error).__name__, message)
 
 
-def pack_tensors(weights) -> list[list]:
-    """(name, tensor) pairs as plain data: [name, dtype name, shape, raw bytes] (no pickle)."""
-    packed = []
-    for name, tensor in weights:
-        t = tensor.detach().to("cpu").contiguous()
-        packed.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()])
-    return packed
-
-
-def unpack_tensors(packed: list[list]) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, dtype, shape, data in packed:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out.append((name, flat.view(dtype_from_name(dtype)).reshape(shape)))
-    return out
-
-
 class Lockstep(Protocol):
     """The wires between data-parallel ranks in lockstep (dp_lockstep.LockstepLink)."""
 
@@ -104,7 +86,7 @@ class _LockstepEngine:
         return self.service.core.has_work()
 
     def is_paused(self) -> bool:
-        return self.service.core.is_paused()
+        return self.service.core.pausing.is_paused()
 
     def step(self) -> None:
         self.service.step()
@@ -138,6 +120,45 @@ class EngineCoreService:
         self.failure: BaseException | None = None  # a step raised: requests were aborted, the core is unusable
         self.clients: set[ClientId] = set()  # every front end seen, for status changes
         self.status = EngineStatus(None, False)  # as last sent
+        self.utility_calls = self._utility_calls()
+
+    def _utility_calls(self) -> dict[str, Callable[..., Any]]:
+        """Each control call a front end may send, by the method name it sends (the wire protocol), -> what runs it
+        with (caller, call, *the call's arguments): the service itself where the call needs the caller (a pause
+        answered later, outputs routed), else the core's collaborator that owns what the call changes."""
+        core = self.core
+        collaborators: dict[str, Callable[..., Any]] = {
+            "is_paused": core.pausing.is_paused,
+            "reset_prefix_cache": core.pausing.reset_prefix_cache,
+            "wake_up": core.sleeping.wake_up,
+            "is_sleeping": core.sleeping.is_sleeping,
+            "init_weight_transfer_engine": core.weights.init_weight_transfer_engine,
+            "start_weight_update": core.weights.start_weight_update,
+            "update_weights": core.weights.update_weights,
+            "finish_weight_update": core.weights.finish_weight_update,
+            "abandon_weight_update": core.weights.abandon_weight_update,
+            "shutdown_weight_transfer_engine": core.weights.shutdown_weight_transfer_engine,
+            "get_weight_version": core.weights.get_weight_version,
+            "update_weight_version": core.weights.update_weight_version,
+            "checksums": core.weights.checksums,
+            "load_weights_from_dir": core.weights.load_weights_from_dir,
+            "add_lora": core.loras.add_lora,
+            "remove_lora": core.loras.remove_lora,
+            "list_loras": core.loras.list_loras,
+            "start_profile": core.profiling.start_profile,
+            "stop_profile": core.profiling.stop_profile,
+        }
+        return {
+            **{name: _with_the_arguments(method) for name, method in collaborators.items()},
+            "pause": self.pause,
+            "resume": self.resume,
+            "collective_rpc": self.collective_rpc,
+            "load_weights": self.load_weights,
+            "abort_requests": self.abort_requests,
+            "sleep": self.sleep,
+            "engine_info": self.engine_info,
+            "stats": self.stats,
+        }
 
     # ---- the loop ----
 
@@ -161,7 +182,8 @@ class EngineCoreService:
         """Tell every front end when the core starts or stops refusing generation or new requests: only control
         calls (a weight update, sleep, a pause, an abandoned update) change that. Sent before the call's result, so
         that the caller's front end knows the new status by the time the call returns."""
-        status = EngineStatus(self.core.not_serving(), self.core.rejecting_new_requests)
+        core = self.core
+        status = EngineStatus(core.weights.not_serving(), core.pausing.rejecting_new_requests)
         if status != self.status:
             self.status = status
             for client in self.clients:
@@ -186,7 +208,7 @@ class EngineCoreService:
                 run_iteration(self.wave, self._all_gather)
         elif self.core.has_work():
             self.step()
-        if self.wait_pauses and self.core.num_in_flight == 0:
+        if self.wait_pauses and self.core.pausing.num_in_flight == 0:
             self._end_wait_pauses(clear_cache=True)
         while self.num_background:
             try:
@@ -216,8 +238,8 @@ class EngineCoreService:
         if self.failure is not None:
             self._route(self._refused(message.request_ids))
             return
-        not_serving = self.core.not_serving()
-        if not_serving is not None or self.core.rejecting_new_requests:
+        not_serving = self.core.weights.not_serving()
+        if not_serving is not None or self.core.pausing.rejecting_new_requests:
             for request_id in message.request_ids:
                 self.owners[request_id] = client
             if not_serving is not None:
@@ -251,7 +273,7 @@ class EngineCoreService:
     def _refused(
         self, request_ids: list[str], error: str | None = None, retryable: bool = False
     ) -> list[EngineCoreOutput]:
-        version = self.core.weight_version
+        version = self.core.weights.version
         return [
             EngineCoreOutput(rid, [], [], None, version, "abort", error=error, error_retryable=retryable)
             for rid in request_ids
@@ -274,7 +296,7 @@ class EngineCoreService:
     # ---- control calls ----
 
     def _call(self, client: ClientId, call: UtilityCall) -> None:
-        method = _UTILITY_METHODS.get(call.method)
+        method = self.utility_calls.get(call.method)
         if method is None:
             self.transport.send_result(client, error_result(call.call_id, ValueError(f"unknown call {call.method!r}")))
             return
@@ -296,7 +318,7 @@ class EngineCoreService:
 
     def _call_now(self, client: ClientId, call: UtilityCall, method: Callable) -> None:
         try:
-            value = method(self, client, call, *call.args)
+            value = method(client, call, *call.args)
         except BaseException as e:
             self._route(self.core.take_pending_outputs())
             self._pause_lifted()
@@ -311,13 +333,13 @@ class EngineCoreService:
             self.transport.send_result(client, UtilityResult(call.call_id, value))
 
     def _pause_lifted(self) -> None:
-        if self.wave is not None and self.wave.paused and not self.core.is_paused():
+        if self.wave is not None and self.wave.paused and not self.core.pausing.is_paused():
             self.wave.pause_lifted()
 
     def _call_in_background(self, client: ClientId, call: UtilityCall, method: Callable) -> None:
         def run() -> None:
             try:
-                result = UtilityResult(call.call_id, method(self, client, call, *call.args))
+                result = UtilityResult(call.call_id, method(client, call, *call.args))
             except BaseException as e:
                 result = error_result(call.call_id, e)
             self.background.put((client, result))
@@ -329,7 +351,7 @@ class EngineCoreService:
         """Return every pending pause(mode="wait"); clear the cache first if one asked and `clear_cache` allows."""
         pauses, self.wait_pauses = self.wait_pauses, []
         if clear_cache and any(p.clear_cache for p in pauses):
-            self.core.clear_cache()
+            self.core.pausing.clear_cache()
         for p in pauses:
             self.transport.send_result(p.client, UtilityResult(p.call_id, None))
 
@@ -337,27 +359,27 @@ class EngineCoreService:
         if self.wave is not None:
             return self._lockstep_pause(client, call, resolve_pause_mode(mode), clear_cache)
         if mode == "wait":  # any other mode, a bad one included, is the core's to apply or refuse
-            self._route(self.core.pause("wait", clear_cache=False))  # what the step in flight sampled
+            self._route(self.core.pausing.pause("wait", clear_cache=False))  # what the step in flight sampled
             self.wait_pauses.append(_WaitPause(client, call.call_id, clear_cache))
             return _DEFERRED
-        self._route(self.core.pause(mode, clear_cache))  # abort: the streams end before the pause returns
+        self._route(self.core.pausing.pause(mode, clear_cache))  # abort: the streams end before the pause returns
         return None
 
     def _lockstep_pause(self, client: ClientId, call: UtilityCall, mode: str, clear_cache: bool) -> Any:
         """Phase 1: the mode applies here at once; the call is answered when every rank is paused (phase 2), or
         by a resume that comes first (it then clears nothing)."""
-        self._route(self.core.pause(mode, clear_cache and mode != "wait"))
+        self._route(self.core.pausing.pause(mode, clear_cache and mode != "wait"))
 
         def reply() -> None:
             if mode == "wait" and clear_cache and self.wave.paused:
-                self.core.clear_cache()
+                self.core.pausing.clear_cache()
             self.transport.send_result(client, UtilityResult(call.call_id, None))
 
         self.wave.pause(reply)
         return _DEFERRED
 
     def resume(self, client: ClientId, call: UtilityCall) -> None:
-        self.core.resume()
+        self.core.pausing.resume()
         if self.wave is not None:
             self.wave.resume()
             return
@@ -368,7 +390,7 @@ class EngineCoreService:
     def collective_rpc(self, client: ClientId, call: UtilityCall, method, args, kwargs) -> list[Any]:
         """A worker method's results as they are for a front end in this process; as plain data (tensors as lists)
         for one in another, or a ValueError naming the method (a result the socket cannot carry must not reach it)."""
-        results = self.core.collective_rpc(method, tuple(args), kwargs)
+        results = self.core.rpc.collective_rpc(method, tuple(args), kwargs)
         if self.transport.in_process:
             return results
         return plain_data(results, f"method: {method!r}")
@@ -377,7 +399,7 @@ class EngineCoreService:
         """(name, tensor) pairs from a front end in this process, packed ones (pack_tensors) from another."""
         if weights and not isinstance(weights[0], tuple):
             weights = unpack_tensors(weights)
-        return self.core.load_weights_direct(weights, reset_prefix_cache)
+        return self.core.weights.load_weights_direct(weights, reset_prefix_cache)
 
     def sleep(self, client: ClientId, call: UtilityCall, level: int, mode: str = "abort") -> None:
         """vLLM's sleep modes: "abort" ends the requests in flight first (their streams end before sleep returns);
@@ -393,15 +415,12 @@ class EngineCoreService:
             )
         if mode == "abort":
             self._route(self.core.abort_requests(list(self.core.requests)))
-        self.core.sleep(level)
+        self.core.sleeping.sleep(level)
 
     def abort_requests(self, client: ClientId, call: UtilityCall, request_ids: list[str]) -> None:
         """An abort whose outputs (the tokens held back for final-only requests) reach the caller before it
         returns."""
         self._route(self.core.abort_requests(request_ids))
-
-    def update_weight_version(self, client: ClientId, call: UtilityCall, version: str) -> None:
-        self.core.weight_version = str(version)
 
     def engine_info(self, client: ClientId, call: UtilityCall) -> dict[str, Any]:
         """What the front end needs to validate requests without asking the core each time."""
@@ -410,7 +429,7 @@ class EngineCoreService:
             max_model_len=core.max_model_len,
             vocab_size=core.vocab_size,
             max_logprobs=core.config.max_logprobs,
-            worker_extension_methods=sorted(extension_methods(core.worker)),
+            worker_extension_methods=sorted(extension_methods(core.rpc.worker)),
         )
 
     def stats(self, client: ClientId, call: UtilityCall) -> dict[str, Any]:
@@ -430,10 +449,10 @@ class EngineCoreService:
             kv_cache_blocks=core.kv_cache.num_blocks,
             prefix_cache_queries=core.kv_cache.prefix_queries,
             prefix_cache_hits=core.kv_cache.prefix_hits,
-            is_paused=core.is_paused(),
-            sleep_state=core.sleep_state,
-            weight_version=core.weight_version,
-            num_unwritten_weights=len(core.unwritten_weights),
+            is_paused=core.pausing.is_paused(),
+            sleep_state=core.sleeping.sleep_state,
+            weight_version=core.weights.version,
+            num_unwritten_weights=len(core.weights.unwritten),
             # vLLM's CacheConfig fields that rlserve has, under vLLM's names (vllm:cache_config_info's labels)
             cache_config=dict(
                 block_size=config.block_size,
@@ -445,48 +464,14 @@ class EngineCoreService:
         )
 
 
-def _core_method(name: str) -> Callable:
-    """A utility call that is an EngineCore method of the same name with the call's arguments."""
+def _with_the_arguments(method: Callable) -> Callable:
+    """A collaborator's method as a utility call: called with the call's arguments (the caller is not its business)."""
 
-    def call(service: EngineCoreService, client: ClientId, call: UtilityCall, *args: Any) -> Any:
-        return getattr(service.core, name)(*args)
+    def call(client: ClientId, call: UtilityCall, *args: Any) -> Any:
+        return method(*args)
 
     return call
 
 
 _DEFERRED = object()  # the result is sent later (a pause(mode="wait"))
 _BACKGROUND_METHODS = frozenset({"init_weight_transfer_engine"})
-_UTILITY_METHODS: dict[str, Callable] = {
-    **{
-        name: _core_method(name)
-        for name in (
-            "is_paused",
-            "wake_up",
-            "is_sleeping",
-            "init_weight_transfer_engine",
-            "start_weight_update",
-            "update_weights",
-            "finish_weight_update",
-            "get_weight_version",
-            "checksums",
-            "reset_prefix_cache",
-            "load_weights_from_dir",
-            "shutdown_weight_transfer_engine",
-            "abandon_weight_update",
-            "add_lora",
-            "remove_lora",
-            "list_loras",
-            "start_profile",
-            "stop_profile",
-        )
-    },
-    "pause": EngineCoreService.pause,
-    "resume": EngineCoreService.resume,
-    "collective_rpc": EngineCoreService.collective_rpc,
-    "load_weights": EngineCoreService.load_weights,
-    "abort_requests": EngineCoreService.abort_requests,
-    "sleep": EngineCoreService.sleep,
-    "update_weight_version": EngineCoreService.update_weight_version,
-    "engine_info": EngineCoreService.engine_info,
-    "stats": EngineCoreService.stats,
-}

@@ -11,8 +11,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rlserve.engine.kv_cache import KVCacheManager
-from rlserve.engine.request import Request, RequestStatus
+from rlserve.engine.sched.batch import ScheduledRequest
+from rlserve.engine.sched.kv_cache import KVCacheManager
+from rlserve.engine.sched.request import Request, RequestStatus
 
 
 class PauseState(enum.Enum):
@@ -26,12 +27,6 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
 
 
 class Scheduler:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from rlserve.engine.request import Request
+from rlserve.engine.sched.request import Request
 
 
 class KVCacheManager:

@@ -17,23 +17,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlserve.config import EngineConfig
-from rlserve.engine.args import EngineArgs, make_engine_config
-from rlserve.engine.core_client import (
+from rlserve.engine.frontend.args import EngineArgs, make_engine_config
+from rlserve.engine.frontend.clients import make_async_client
+from rlserve.engine.frontend.core_client import (
     AsyncMPClient,
     EngineDeadError,
     RequestIdInUseError,
     RequestRefusedError,
     collective_rpc_args,
     load_weights_args,
-    make_async_client,
-    registered_backends,
 )
-from rlserve.engine.core_client import RetryableRequestError as RetryableRequestError  # the server's, from here
-from rlserve.engine.core_proc import CoreProcess
-from rlserve.engine.dp_client import DPAsyncMPClient
-from rlserve.engine.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
-from rlserve.engine.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
-from rlserve.engine.profiler import require_profiling
+from rlserve.engine.frontend.core_client import (
+    RetryableRequestError as RetryableRequestError,  # the server's, from here
+)
+from rlserve.engine.frontend.dp_client import DPAsyncMPClient
+from rlserve.engine.frontend.launcher import CoreProcess
+from rlserve.engine.frontend.llm import EngineFrontEnd, PromptType, ValidatedPrompt, _field
+from rlserve.engine.wire.backends import registered_backends
+from rlserve.engine.wire.messages import AddRequest, EngineCoreOutput, resolve_pause_mode
+from rlserve.engine.wire.profiling import require_profiling
 from rlserve.lora.request import LoRARequest
 from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams

@@ -33,22 +33,33 @@ from typing import Any
 import zmq
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core_client import (
+from rlserve.engine.frontend.core_client import (
     LIVENESS_INTERVAL_S,
     AsyncMPClient,
     EngineDeadError,
     MPClient,
-    make_launcher,
     raise_for,
 )
-from rlserve.engine.dp_lockstep import free_port
-from rlserve.engine.messages import AddRequest, EngineCoreOutput, UtilityResult
+from rlserve.engine.frontend.launcher import ProcessLauncher
+from rlserve.engine.wire.messages import AddRequest, EngineCoreOutput, UtilityResult
+from rlserve.engine.wire.process import free_port
 
 logger = logging.getLogger(__name__)
 
 # Prompts (and sessions, salts) remembered with their rank: a GRPO group's requests arrive within moments of each
 # other, a session's turns within minutes; older keys are forgotten first.
 MAX_AFFINITY_KEYS = 1 << 16
+
+
+def make_launcher(config: EngineConfig) -> Any:
+    """What starts the engine cores of `config`: `launch(rank_config)` returns a handle on one core (its address
+    once `wait_ready` returned, `is_alive`, `death_reason`, `stopped`, `shutdown`), `shutdown()` stops what the
+    launcher holds for all of them."""
+    if config.data_parallel_backend == "ray":
+        from rlserve.engine.frontend.ray_launcher import RayLauncher  # Ray is an optional extra
+
+        return RayLauncher(config)
+    return ProcessLauncher()
 
 
 class DPRouter:

@@ -1,0 +1,1 @@
+"""The caller's process: `LLM`, `AsyncLLM`, output processing, the clients of the engine core and what starts it."""

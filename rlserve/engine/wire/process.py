@@ -1,0 +1,29 @@
+"""Small helpers that the engine's processes share: whether a process lives, a free port, and how long the ranks of
+one engine wait for each other in a collective."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+# A rank waits in a collective with its peers (the data-parallel ranks' all-gather, their expert-parallel exchange)
+# for as long as a peer runs a control call between two steps (a checkpoint reload, a weight update's transfer):
+# generous. A peer that died fails the front end's liveness check long before.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` (an IPv4 or IPv6 address) now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """For a process that did not start the one it watches (an API server's core, a rank's rank 0): the process
+    exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
