@@ -94,6 +94,9 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
     with pytest.raises(AttributeError, match=re.escape(f"vllm.TokensPrompt: {NOT_PROVIDED}")):
         vllm.TokensPrompt  # noqa: B018
     assert not hasattr(vllm, "TokensPrompt") and getattr(vllm, "AsyncLLMEngine", None) is None  # feature probes
+    # A ModuleNotFoundError, as a framework's fallback for an optional vLLM module expects (SkyRL's extension has one).
+    with pytest.raises(ModuleNotFoundError, match=NOT_PROVIDED):
+        import vllm.model_executor.model_loader.reload  # noqa: F401
 
 
 def test_an_installed_vllm_is_never_shadowed(
@@ -171,8 +174,15 @@ def test_rlserve_run_names_what_it_cannot_run(capsys: pytest.CaptureFixture[str]
     assert "rlserve run: rlserve-no-such-command: No such file or directory" in capsys.readouterr().err
 
 
-def test_the_vllm_command_is_rlserve_serve_only() -> None:
+def test_the_vllm_command_is_rlserve_serve_only(tmp_path: Path) -> None:
     from rlserve.vllm_cli import EXIT_USAGE, main
+
+    # `rlserve run vllm serve ...`: the surface's `vllm` where PATH has none, an installed one's otherwise.
+    surface_vllm = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m"]
+    assert run.resolve_command(["vllm", "serve", "m"], {"PATH": str(tmp_path)}) == surface_vllm
+    (tmp_path / "vllm").write_text("#!/bin/sh\n")
+    (tmp_path / "vllm").chmod(0o755)
+    assert run.resolve_command(["vllm", "serve", "m"], {"PATH": str(tmp_path)}) == ["vllm", "serve", "m"]
 
     assert main(["bench", "latency"]) == EXIT_USAGE
     assert main(["frobnicate"]) == EXIT_USAGE

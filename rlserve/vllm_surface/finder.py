@@ -6,8 +6,10 @@ identity work across code that imports either name.
 
 Every module it makes is a package (an empty `__path__`), except the `Entry` ones that `python -m` runs: for
 `from vllm.x import Name`, CPython imports `vllm.x.Name` as a submodule when `Name` is not an attribute, which
-reaches this finder, and the finder's ImportError names the vLLM API. On a plain module, CPython's own message
-("cannot import name ... (unknown location)") would replace it.
+reaches this finder, and the finder's error names the vLLM API. On a plain module, CPython's own message ("cannot
+import name ... (unknown location)") would replace it. That error is a ModuleNotFoundError, as a missing optional
+module is (`except ModuleNotFoundError` fallbacks work), whose `name` is None: with the missing path there, the
+import system would take it for the absent submodule of a `from` import and replace the message all the same.
 
 The finder goes last on `sys.meta_path`: a real vLLM that appears on `sys.path` later wins over it rather than being
 shadowed (and `install` refuses while one is importable).
@@ -31,7 +33,7 @@ _TABLE_NOTE = (
 )
 
 
-class VllmNotProvidedError(ImportError):
+class VllmNotProvidedError(ModuleNotFoundError):
     """A vLLM module or name that rlserve does not provide, imported through the surface."""
 
 
@@ -124,7 +126,7 @@ class VllmSurfaceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
             spec.submodule_search_locations = []
             return spec
-        raise VllmNotProvidedError(not_provided(fullname), name=fullname)
+        raise VllmNotProvidedError(not_provided(fullname))
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None  # the default module object

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+from collections.abc import Mapping
 
 from rlserve.vllm_surface import ENV_VAR, VllmInstalledError, check_no_vllm, surface_environment
 
 DESCRIPTION = (
     "Run COMMAND with `import vllm...` resolving to rlserve (its vllm import surface) in it and in every Python "
     f"process it starts ({ENV_VAR}=1 and a sitecustomize on PYTHONPATH), e.g. `rlserve run trl vllm-serve --model "
-    "DIR` or `rlserve run -- python -m vllm.entrypoints.cli.main serve DIR`. Refused while a real vLLM is importable."
+    "DIR` or `rlserve run vllm serve DIR` (without a `vllm` on PATH: vLLM's command line as the surface provides it, "
+    "`python -m vllm.entrypoints.cli.main`). Refused while a real vLLM is importable."
 )
 EXIT_USAGE = 2
 # The shell's statuses for a command it cannot find, and for one it cannot execute.
@@ -22,6 +25,14 @@ EXIT_NOT_EXECUTABLE = 126
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments")
+
+
+def resolve_command(command: list[str], environ: Mapping[str, str]) -> list[str]:
+    """`vllm ...` where no `vllm` executable is on PATH: the surface's `vllm` on this interpreter, so that the
+    command lines vLLM's and the frameworks' docs give (TRL's `trl vllm-serve` prints one) run as written."""
+    if command[0] == "vllm" and shutil.which("vllm", path=environ.get("PATH")) is None:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", *command[1:]]
+    return command
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -34,6 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except VllmInstalledError as e:
         print(f"rlserve run: {e}", file=sys.stderr)
         return EXIT_USAGE
+    command = resolve_command(command, os.environ)
     try:
         os.execvpe(command[0], command, surface_environment(os.environ))
     except OSError as e:
