@@ -22,7 +22,7 @@ from rlserve import net, vllm_surface
 from rlserve.engine.worker.extension import import_class
 from rlserve.vllm_surface import run
 from rlserve.vllm_surface.table import MODULES, Entry, Refused
-from rlserve.weight_transfer.vllm_sender import trainer_init
+from rlserve.weight_transfer.vllm_sender import packed_nccl_broadcast_producer, trainer_init
 
 TESTS_DIR = Path(__file__).resolve().parent
 NOT_PROVIDED = "rlserve does not provide this vLLM API"
@@ -223,7 +223,7 @@ def test_network_helpers_follow_vllms_variables(monkeypatch: pytest.MonkeyPatch)
             net.get_open_port()
 
 
-def test_trainer_init_names_a_bad_rendezvous() -> None:
+def test_the_trainer_helpers_name_bad_arguments() -> None:
     cases = {
         "init_info lacks \\['master_port'\\]": {"master_address": "127.0.0.1", "world_size": 2},
         "master_port must be an int": {"master_address": "127.0.0.1", "master_port": "1", "world_size": 2},
@@ -233,6 +233,8 @@ def test_trainer_init_names_a_bad_rendezvous() -> None:
     for message, info in cases.items():
         with pytest.raises(ValueError, match=f"trainer_init: {message}"):
             trainer_init(info)
+    with pytest.raises(TypeError, match="packed_nccl_broadcast_producer: group must be .* got object"):
+        packed_nccl_broadcast_producer(iter([]), object(), 0, lambda item: item[1])
 
 
 def _defined_names(source: Path) -> set[str]:
