@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The other commands register their own arguments.
     from rlserve.rl import demo, parity_report
     from rlserve.server import serve
+    from rlserve.vllm_surface import run
 
-    for module in (serve, demo, parity_report):
+    for module in (serve, demo, parity_report, run):
         module.register_cli(sub)
     return parser
 
@@ -151,6 +152,10 @@ ENGINE_COMMANDS = ("generate", "serve", "parity")
 
 def main(argv: list[str] | None = None) -> int:
     command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command == ["run"]:  # parsed on its own: building the whole parser imports the engine, which it does not need
+        from rlserve.vllm_surface import run
+
+        return run.main((sys.argv[1:] if argv is None else argv)[1:])
     if command and command[0] in ENGINE_COMMANDS and multiprocessing_enabled():
         start_fork_server()  # its imports overlap this process's (the server's, the tokenizer's)
     parser = build_parser()

@@ -20,6 +20,8 @@ LAYERS: dict[str, int] = {
     "hub": 0,
     "sampling_params": 0,
     "outputs": 0,
+    "net": 0,
+    "vllm_surface": 0,  # standard library only: the engine core installs it; its table names the rest as strings
     "weight_transfer": 1,
     "lora": 1,  # the adapter request and format, which the model's layers and the engine both read
     "model": 2,
@@ -30,6 +32,7 @@ LAYERS: dict[str, int] = {
     "ray": 4,
     "cli": 5,
     "distributed": 5,
+    "vllm_cli": 6,  # `vllm serve` for the vllm surface: rlserve's command line
 }
 ROOT = Path(rlserve.__file__).parent
 BENCHMARKS = ROOT.parent / "benchmarks"

@@ -277,6 +277,11 @@ DECISIONS: dict[str, Decision] = {
     "data_parallel_rpc_port": NoOp(
         "rlserve's front end reaches its data-parallel cores through pipes it creates on this host: no RPC port opens"
     ),
+    "enable_scale_out": NoOp(
+        "rlserve always serves /inference/v1/generate, /v1/completions/render and /v1/chat/completions/render (TRL "
+        "sets it for these); vLLM's derender, /v1/messages/render, /v1/responses/render and "
+        "/inference/v1/abort_requests are not implemented"
+    ),
     "max_cpu_loras": NoOp(
         "rlserve keeps no CPU cache of adapters: an adapter sits in one of --max-loras device slots from its load "
         "until its unload"
@@ -346,7 +351,6 @@ DECISIONS: dict[str, Decision] = {
             "enable_request_id_headers",
             "enable_offline_docs",
             "enable_flash_late_interaction",
-            "enable_scale_out",
             "headless",
             "grpc",
             "enable_hc_sp",

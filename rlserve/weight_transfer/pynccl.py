@@ -30,6 +30,7 @@ from rlserve.weight_transfer.nccl_library import (
     ncclUniqueId,
     unique_id_from_bytes,
 )
+from rlserve.weight_transfer.packed import PackedSender
 from rlserve.weight_transfer.stateless_group import DEFAULT_STORE_TIMEOUT_S
 
 GLOO_PREFIX = "rlserve_pynccl_gloo"
@@ -156,6 +157,8 @@ class PyNcclCommunicator:
         self._nccl: NCCLLibrary | None = None
         self._comm: ncclComm_t | None = None
         self._gloo: dist.ProcessGroupGloo | None = None
+        # One per connection, for every update (vLLM's packed producer): its CUDA streams are made once.
+        self.packed_sender = PackedSender()
         # A group of one has nothing to talk to (vLLM's rule too).
         self.disabled = self.world_size == 1
         self.available = not self.disabled

@@ -86,7 +86,7 @@ def test_bare_rlserve_prints_help_and_version_prints_it(capsys: pytest.CaptureFi
 def test_every_flag_has_help_that_shows_its_default() -> None:
     parser = build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(commands.choices) == {"generate", "toy-model", "serve", "demo", "parity"}
+    assert set(commands.choices) == {"generate", "toy-model", "serve", "demo", "parity", "run"}
     for name, command in commands.choices.items():
         formatter = command._get_formatter()
         for action in command._actions:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rlserve.engine.worker.model_runner import ModelRunner
+from rlserve.vllm_surface import ENV_VAR, install_if_requested
 
 
 class Worker:
@@ -34,10 +35,12 @@ def import_class(path: str) -> type:
         module_path, _, name = path.rpartition(".")
     if not module_path or not name:
         raise ValueError(f"worker_extension_cls: expected 'package.module:Class', got {path!r}")
+    surface = install_if_requested()  # before the import: extensions written for vLLM import vllm
     try:
         cls = getattr(importlib.import_module(module_path), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"worker_extension_cls: cannot import {path!r}: {e}") from e
+        hint = "" if surface or getattr(e, "name", None) != "vllm" else f" (set {ENV_VAR}=1 to resolve vllm to rlserve)"
+        raise ValueError(f"worker_extension_cls: cannot import {path!r}: {e}{hint}") from e
     if not isinstance(cls, type):
         raise ValueError(f"worker_extension_cls: {path!r} is not a class")
     return cls

@@ -1,0 +1,94 @@
+"""The `vllm` import surface's table: which of vLLM's module paths resolve, and to which rlserve names.
+
+Each vLLM module maps to either
+- an rlserve module path: the vLLM module's names are that module's `__all__` (and what its module-level
+  `__getattr__` provides lazily); rlserve keeps such modules at vLLM's paths under `rlserve.distributed`;
+- a dict of vLLM name -> "rlserve.module:attribute", or `Refused(why)` for a class that frameworks import
+  unconditionally but construct only for an option rlserve lacks;
+- `Entry("rlserve.module")`: a module frameworks run with `python -m`; running it runs that rlserve module, importing
+  it gives that module's `__all__`.
+Every prefix of a path here is a package too (`vllm.distributed`, `vllm.entrypoints.cli`...), with only the names
+the table gives it. What is not here is not provided: importing it raises ImportError naming the vLLM API.
+
+The paths and names are vLLM 0.33.0's (`VLLM_VERSION`, which `vllm.__version__` reports, so that frameworks pick
+their code paths for the API rlserve implements), chosen from what the RL frameworks import: TRL 1.16.0 (`trl
+vllm-serve`, `VLLMClient`, `VLLMGeneration`, async GRPO's weight transfer), SkyRL and prime-rl / PipelineRL worker
+extensions (the weight-transfer group classes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VLLM_VERSION = "0.33.0"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Importable, so that a module importing it loads; constructing it raises NotImplementedError(why)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A module run with `python -m`: runs `module`'s code as `__main__`."""
+
+    module: str
+
+
+_LLM = "rlserve.engine.frontend.llm:LLM"
+_SAMPLING_PARAMS = "rlserve.sampling_params:SamplingParams"
+_REQUEST_OUTPUT = "rlserve.outputs:RequestOutput"
+_COMPLETION_OUTPUT = "rlserve.outputs:CompletionOutput"
+_ENGINE_ARGS = "rlserve.engine.frontend.args:EngineArgs"
+_ASYNC_ENGINE_ARGS = "rlserve.engine.frontend.args:AsyncEngineArgs"
+_NO_STRUCTURED_OUTPUTS = "rlserve has no structured (guided) decoding; leave the regex / JSON schema / grammar unset"
+
+MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
+    "vllm": {
+        "LLM": _LLM,
+        "SamplingParams": _SAMPLING_PARAMS,
+        "RequestOutput": _REQUEST_OUTPUT,
+        "CompletionOutput": _COMPLETION_OUTPUT,
+        "EngineArgs": _ENGINE_ARGS,
+        "AsyncEngineArgs": _ASYNC_ENGINE_ARGS,
+    },
+    "vllm.entrypoints.llm": {"LLM": _LLM},
+    "vllm.sampling_params": {
+        "SamplingParams": _SAMPLING_PARAMS,
+        "RequestOutputKind": "rlserve.sampling_params:RequestOutputKind",
+        # TRL's VLLMGeneration and online DPO import it at module level, and build one only for a regex option.
+        "StructuredOutputsParams": Refused(_NO_STRUCTURED_OUTPUTS),
+    },
+    "vllm.outputs": {"RequestOutput": _REQUEST_OUTPUT, "CompletionOutput": _COMPLETION_OUTPUT},
+    "vllm.logprobs": {"Logprob": "rlserve.outputs:Logprob"},
+    "vllm.lora.request": {"LoRARequest": "rlserve.lora.request:LoRARequest"},
+    "vllm.engine.arg_utils": {"EngineArgs": _ENGINE_ARGS, "AsyncEngineArgs": _ASYNC_ENGINE_ARGS},
+    "vllm.v1.engine.async_llm": {"AsyncLLM": "rlserve.engine.frontend.async_llm:AsyncLLM"},
+    "vllm.exceptions": {"RetryableRequestError": "rlserve.engine.frontend.core_client:RetryableRequestError"},
+    "vllm.config": {
+        "WeightTransferConfig": "rlserve.config:WeightTransferConfig",
+        "ProfilerConfig": "rlserve.config:ProfilerConfig",
+    },
+    "vllm.config.weight_transfer": {"WeightTransferConfig": "rlserve.config:WeightTransferConfig"},
+    "vllm.utils.network_utils": {"get_ip": "rlserve.net:get_ip", "get_open_port": "rlserve.net:get_open_port"},
+    "vllm.distributed.utils": "rlserve.distributed.utils",
+    "vllm.distributed.device_communicators.pynccl": "rlserve.distributed.device_communicators.pynccl",
+    "vllm.distributed.device_communicators.pynccl_wrapper": "rlserve.distributed.device_communicators.pynccl_wrapper",
+    "vllm.distributed.weight_transfer": "rlserve.distributed.weight_transfer",
+    "vllm.distributed.weight_transfer.base": "rlserve.distributed.weight_transfer.base",
+    "vllm.distributed.weight_transfer.clients": "rlserve.distributed.weight_transfer.clients",
+    "vllm.distributed.weight_transfer.factory": "rlserve.distributed.weight_transfer.factory",
+    "vllm.distributed.weight_transfer.ipc_engine": "rlserve.distributed.weight_transfer.ipc_engine",
+    "vllm.distributed.weight_transfer.nccl_common": "rlserve.distributed.weight_transfer.nccl_common",
+    "vllm.distributed.weight_transfer.nccl_engine": "rlserve.distributed.weight_transfer.nccl_engine",
+    "vllm.distributed.weight_transfer.packed_tensor": "rlserve.distributed.weight_transfer.packed_tensor",
+    "vllm.distributed.weight_transfer.sparse_nccl_engine": "rlserve.distributed.weight_transfer.sparse_nccl_engine",
+    # `vllm serve`, as TRL's `trl vllm-serve` and `VLLMClient`'s docs start it.
+    "vllm.entrypoints.cli.main": Entry("rlserve.vllm_cli"),
+}
+
+
+# Every proper prefix of a table path: the packages above the table's modules.
+PACKAGES = frozenset(path.rsplit(".", depth)[0] for path in MODULES for depth in range(1, path.count(".") + 1))
