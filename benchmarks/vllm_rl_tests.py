@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import faulthandler
 import hashlib
 import json
 import os
@@ -36,14 +37,12 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 VERSIONS = ("0.24.0", "0.33.0")
 DEFAULT_INDEX = "https://pypi.org/simple"
 DEFAULT_DOWNLOAD_DIR = Path.home() / ".cache" / "rlserve" / "vllm-sdist"
-FILE_TIMEOUT_S = 900
 
 # The files in scope, per release: vLLM's tests of the RL API that rlserve implements (weight transfer to the engine,
 # its trainer side, its wire formats). Why each is in scope is said beside it.
@@ -195,42 +194,97 @@ def count_tests(source: Path) -> int:
     return total
 
 
+# This module is also the pytest plugin of each run (`-p vllm_rl_tests`): it writes every test's start and
+# outcome to the file $RLSERVE_VLLM_RL_TESTS_LOG as it happens, and ends the run (faulthandler: the threads' stacks,
+# then exit) when one test outlives TEST_TIMEOUT_S. A test that waits in C (a TCPStore rendezvous no peer joins)
+# cannot be interrupted otherwise; the run then resumes after it.
+LOG_ENV = "RLSERVE_VLLM_RL_TESTS_LOG"
+TEST_TIMEOUT_S = 60
+
+
+def _log(record: dict) -> None:
+    with open(os.environ[LOG_ENV], "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if LOG_ENV in os.environ:
+        _log({"start": nodeid})
+        faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+    if LOG_ENV in os.environ:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_runtest_logreport(report) -> None:  # noqa: ANN001 (pytest's TestReport)
+    if LOG_ENV not in os.environ:
+        return
+    if report.skipped:
+        # a skip's longrepr is (path, line, "Skipped: why")
+        why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _log({"node": report.nodeid, "outcome": "skipped", "why": why.removeprefix("Skipped: ")})
+    elif report.failed:
+        _log({"node": report.nodeid, "outcome": "failed", "why": _first_error_line(str(report.longrepr))})
+    elif report.when == "call":
+        _log({"node": report.nodeid, "outcome": "passed"})
+
+
+def pytest_collectreport(report) -> None:  # noqa: ANN001 (pytest's CollectReport)
+    if LOG_ENV in os.environ and report.failed:
+        _log({"collect_error": report.nodeid, "why": _first_error_line(str(report.longrepr))})
+
+
+def _first_error_line(text: str) -> str:
+    """The exception pytest reports (its last "E " line), cut to one table cell."""
+    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    return (errors[-1] if errors else text.strip().splitlines()[-1] if text.strip() else "")[:200]
+
+
 def run_file(version: str, root: Path, path: str, workdir: Path) -> FileResult:
+    """Run one file to the end: when a test hangs, the run ends and starts again with the tests already done and the
+    hung one deselected (pytest collects in a fixed order)."""
     result = FileResult(path)
-    report = workdir / (path.replace("/", "_") + ".xml")
-    command = [sys.executable, "-m", "rlserve.cli", "run", "--", sys.executable, "-m", "pytest", path, "-q"]
-    command += ["--noconftest", "-p", "no:cacheprovider", f"--junitxml={report}", "-o", "junit_family=xunit2"]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    try:
-        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=FILE_TIMEOUT_S)
-        output = done.stdout + done.stderr
-    except subprocess.TimeoutExpired:
-        output = f"timed out after {FILE_TIMEOUT_S} s"
-    if not report.exists():
-        result.collection_error = output.strip().splitlines()[-1] if output.strip() else "no report"
-        result.failed = [(f"{path}::*", result.collection_error)] * count_tests(root / path)
-        return result
-    module = path[: -len(".py")].replace("/", ".")
-    for case in ET.parse(report).iter("testcase"):
-        name = case.get("name", "")
-        classname = case.get("classname", "")
-        # junit's classname is the dotted module (and class); the node id is the file's path, class and name.
-        klass = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
-        node = "::".join(p for p in (path, klass, name) if p)
-        skipped = case.find("skipped")
-        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if classname == "" and problem is not None and name == module:
-            # junit's record of a collection error: the file's tests are uncollected; its last "E" line says why
-            reasons = [line[1:].strip() for line in (problem.text or "").splitlines() if line.startswith("E ")]
-            result.collection_error = (reasons[-1] if reasons else problem.get("message") or "")[:200]
-            result.failed = [(f"{path}::*", result.collection_error)] * count_tests(root / path)
-            return result
+    outcomes: dict[str, tuple[str, str]] = {}  # node -> (outcome, why); a test's first failure wins
+    done: set[str] = set()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    log = workdir / "results.jsonl"
+    while True:
+        log.write_text("")
+        command = [sys.executable, "-m", "rlserve.cli", "run", "--", sys.executable, "-m", "pytest", path, "-q"]
+        command += ["--noconftest", "-p", "no:cacheprovider", "-p", "vllm_rl_tests"]
+        command += [f"--deselect={node}" for node in sorted(done)]
+        subprocess.run(command, cwd=workdir, env={**env, LOG_ENV: str(log)}, capture_output=True, timeout=3600)
+        started = None
+        for record in map(json.loads, log.read_text().splitlines()):
+            if "collect_error" in record:
+                result.collection_error = record["why"]
+                result.failed = [(f"{path}::*", record["why"])] * count_tests(root / path)
+                return result
+            if "start" in record:
+                started = record["start"]
+                done.add(started)
+                continue
+            node = record["node"]
+            if node not in outcomes or outcomes[node][0] != "failed":
+                outcomes[node] = (record["outcome"], record.get("why", ""))
+            if node == started:
+                started = None
+        if started is None or started in outcomes:
+            break
+        outcomes[started] = ("failed", f"still running after {TEST_TIMEOUT_S} s (ended)")
+    for node, (outcome, why) in outcomes.items():
         if (version, node) in NOT_APPLICABLE:
             result.not_applicable.append((node, NOT_APPLICABLE[(version, node)]))
-        elif skipped is not None:
-            result.not_applicable.append((node, skipped.get("message") or "skipped"))
-        elif problem is not None:
-            result.failed.append((node, (problem.get("message") or "").split("\n")[0][:200]))
+        elif outcome == "skipped":
+            result.not_applicable.append((node, why))
+        elif outcome == "failed":
+            result.failed.append((node, why))
         else:
             result.passed.append(node)
     return result

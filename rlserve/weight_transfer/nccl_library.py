@@ -61,6 +61,21 @@ def find_nccl_library() -> str:
     return "libnccl.so.2"
 
 
+# NCCL 2.29.7 (encoded as ncclGetVersion reports it) brought NCCL_NO_CACHE.
+_NCCL_NO_CACHE_VERSION = 22907
+
+
+def has_nccl_no_cache() -> bool:
+    """Whether the NCCL this process would load honours NCCL_NO_CACHE (NCCL >= 2.29.7); False without CUDA or a
+    loadable NCCL. vLLM 0.33's `vllm.utils.nccl._nccl_has_no_cache`, which its tests skip on."""
+    if torch.version.cuda is None:
+        return False
+    try:
+        return NCCLLibrary().version() >= _NCCL_NO_CACHE_VERSION
+    except (OSError, RuntimeError):
+        return False
+
+
 class NCCLLibrary:
     """The loaded library; each call raises RuntimeError with NCCL's message on failure."""
 
