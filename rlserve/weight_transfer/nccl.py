@@ -187,6 +187,11 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         if self.nccl_unique_id_b64 is None:
+            if self.master_address is None and self.master_port is None:
+                raise ValueError(
+                    "init_info names no rendezvous: give master_address and master_port (the trainer's TCPStore); "
+                    "trainers without one need nccl_unique_id_b64 (their NCCL unique id)"
+                )
             if not isinstance(self.master_address, str) or not self.master_address:
                 raise ValueError(
                     f"master_address must be a host name or address (or pass nccl_unique_id_b64 instead), got "
@@ -268,14 +273,18 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
     def __init__(
         self,
         config: WeightTransferConfig,
-        device: torch.device,
+        vllm_config: Any = None,
+        device: torch.device | str | None = None,
+        model: torch.nn.Module | None = None,
         *,
         worker_index: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        """`worker_index`: this worker's index among the engine's workers (its rank is `rank_offset` + it).
-        `timeout_s`: how long the rendezvous and each broadcast may wait for the trainer."""
-        super().__init__(config, device)
+        """Built as vLLM 0.24 builds it, `(config, device)`, or as 0.33 does, `(config, vllm_config, device,
+        model)`; either way it hands tensors to the engine's loader. `worker_index`: this worker's index among the
+        engine's workers (its rank is `rank_offset` + it). `timeout_s`: how long the rendezvous and each broadcast
+        may wait for the trainer."""
+        super().__init__(config, vllm_config, device, model)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
         self._group: TransferGroup | None = None

@@ -42,7 +42,7 @@ class ncclUniqueId(ctypes.Structure):  # noqa: N801 (NCCL's and vLLM's name)
 
 def unique_id_from_bytes(data: bytes) -> ncclUniqueId:
     if len(data) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} bytes, got {len(data)}")
+        raise ValueError(f"expected a {NCCL_UNIQUE_ID_BYTES}-byte NCCL unique id, got {len(data)} bytes")
     unique_id = ncclUniqueId()
     ctypes.memmove(ctypes.addressof(unique_id), data, NCCL_UNIQUE_ID_BYTES)
     return unique_id
