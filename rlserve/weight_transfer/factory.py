@@ -16,6 +16,7 @@ from rlserve.config import WeightTransferConfig
 from rlserve.weight_transfer.base import ParallelConfigLike, VllmConfigLike, WeightTransferEngine
 from rlserve.weight_transfer.source import WeightSource
 from rlserve.weight_transfer.trainer import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
+from rlserve.weight_transfer.vllm_sender import current_device
 
 EngineLoader = Callable[[], type[WeightTransferEngine]]
 SCRIPT_MODULE_PREFIX = "_rlserve_script_"  # the module names of backends loaded from a script's path
@@ -114,11 +115,15 @@ class WeightTransferEngineFactory:
         `timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s), given to
         a backend whose constructor takes a `timeout_s` keyword; others keep their own.
 
-        vLLM 0.33's own call, `create_engine(config, vllm_config, device, model)`, is accepted too (a second argument
-        that is not a device): the worker's place is then read from `vllm_config.parallel_config`."""
+        vLLM's own calls are accepted too (a second argument that is not a device): 0.33's `create_engine(config,
+        vllm_config, device, model)` and 0.24's `create_engine(config, parallel_config, model)` (on this process's
+        current device); the worker's place is then read from the parallel config."""
         vllm_config: Any = None
         if not isinstance(device, torch.device | str):
-            vllm_config, device, model = device, worker_index, timeout_s
+            if hasattr(device, "parallel_config"):
+                vllm_config, device, model = device, worker_index, timeout_s
+            else:
+                vllm_config, device, model = VllmConfigLike(device), current_device(), worker_index
             parallel = vllm_config.parallel_config
             worker_index, timeout_s = parallel.data_parallel_index * parallel.world_size + parallel.rank, None
         engine_cls = cls.get_engine_cls(config.backend)

@@ -554,7 +554,7 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerIni
         cls, init_info: NCCLTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
     ) -> NCCLTrainerWeightTransferEngine:
         if source is None or not source.implements_iter_full():
-            raise ValueError("the nccl trainer engine sends full tensors: it needs a WeightSource with iter_full()")
+            raise ValueError("the nccl trainer engine sends full tensors: it requires a WeightSource with iter_full()")
         check_single_sender(source)
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:
