@@ -14,10 +14,11 @@ KV-event publishers, not RL API, and none of the selected files needs a fixture 
 
 Each test is classified, by this rule:
 - not applicable on CPU: the test skipped itself (its own `skipif(not torch.cuda.is_available())`,
-  `pytest.skip("Need at least 1 GPU")`, `importorskip` of an optional package such as `modelexpress_rl`), or it is in
-  NOT_APPLICABLE, a reviewed list of tests that need CUDA without saying so, each with its reason;
-- passed; otherwise failed (a failure, an error, or a file whose collection failed: then its tests are counted from
-  its source, every `def test_*` times its literal `parametrize` lists, and all of them are counted as failed).
+  `pytest.skip("Need at least 1 GPU")`, `importorskip` of an optional package such as `modelexpress_rl`); every test
+  of the selected files that needs CUDA says so itself, so no list of exceptions is kept here;
+- passed; otherwise failed (a failure, an error, a test still running after TEST_TIMEOUT_S, or a file whose
+  collection failed: then its tests are counted from its source, every `def test_*` times its literal `parametrize`
+  lists, and all of them are counted as failed).
 Files outside SCOPE (OUT_OF_SCOPE, each with its reason) are listed, not run. The figure is passed / applicable.
 """
 
@@ -29,7 +30,6 @@ import faulthandler
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -117,11 +117,6 @@ OUT_OF_SCOPE: dict[str, dict[str, str]] = {
         "tests/v1/worker/test_gpu_worker_weight_transfer.py": "vLLM's GPU worker internals, not the RL API",
     },
 }
-
-# Tests that need CUDA on CPU without skipping themselves: (release, pytest node id) -> why. Reviewed one by one.
-NOT_APPLICABLE: dict[tuple[str, str], str] = {}
-
-GPU_SKIP = re.compile(r"GPU|CUDA|cuda|gpu")
 
 
 @dataclass
@@ -242,7 +237,7 @@ def _first_error_line(text: str) -> str:
     return (errors[-1] if errors else text.strip().splitlines()[-1] if text.strip() else "")[:200]
 
 
-def run_file(version: str, root: Path, path: str, workdir: Path) -> FileResult:
+def run_file(root: Path, path: str, workdir: Path) -> FileResult:
     """Run one file to the end: when a test hangs, the run ends and starts again with the tests already done and the
     hung one deselected (pytest collects in a fixed order)."""
     result = FileResult(path)
@@ -259,9 +254,15 @@ def run_file(version: str, root: Path, path: str, workdir: Path) -> FileResult:
         command = [sys.executable, "-m", "rlserve.cli", "run", "--", sys.executable, "-m", "pytest", path, "-q"]
         command += ["--noconftest", "-p", "no:cacheprovider", "-p", "vllm_rl_tests"]
         command += [f"--deselect={node}" for node in sorted(done)]
-        subprocess.run(command, cwd=workdir, env={**env, LOG_ENV: str(log)}, capture_output=True, timeout=3600)
+        # Output to a file, not a pipe: a daemon a test started (Ray's) may outlive pytest and hold a pipe open.
+        with (workdir / "pytest.out").open("w") as out:
+            done_run = subprocess.run(command, cwd=workdir, env={**env, LOG_ENV: str(log)}, stdout=out, stderr=out)
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        if not records and done_run.returncode != 0:
+            tail = (workdir / "pytest.out").read_text()[-2000:]
+            raise SystemExit(f"vllm_rl_tests: {path}: pytest exited {done_run.returncode} before any test:\n{tail}")
         started = None
-        for record in map(json.loads, log.read_text().splitlines()):
+        for record in records:
             if "collect_error" in record:
                 result.collection_error = record["why"]
                 result.failed = [(f"{path}::*", record["why"])] * count_tests(root / path)
@@ -279,9 +280,7 @@ def run_file(version: str, root: Path, path: str, workdir: Path) -> FileResult:
             break
         outcomes[started] = ("failed", f"still running after {TEST_TIMEOUT_S} s (ended)")
     for node, (outcome, why) in outcomes.items():
-        if (version, node) in NOT_APPLICABLE:
-            result.not_applicable.append((node, NOT_APPLICABLE[(version, node)]))
-        elif outcome == "skipped":
+        if outcome == "skipped":
             result.not_applicable.append((node, why))
         elif outcome == "failed":
             result.failed.append((node, why))
@@ -290,7 +289,7 @@ def run_file(version: str, root: Path, path: str, workdir: Path) -> FileResult:
     return result
 
 
-def run_version(version: str, root: Path, files: list[str], verbose: bool) -> list[FileResult]:
+def run_version(version: str, root: Path, files: list[str]) -> list[FileResult]:
     missing = [p for p in files if not (root / p).is_file()]
     if missing:
         raise SystemExit(f"vllm_rl_tests: {root} has no {', '.join(missing)} (not vLLM {version}'s source tree?)")
@@ -300,16 +299,13 @@ def run_version(version: str, root: Path, files: list[str], verbose: bool) -> li
         results = []
         for path in files:
             started = time.monotonic()
-            result = run_file(version, root, path, workdir)
+            result = run_file(root, path, workdir)
             results.append(result)
             print(
                 f"  ran {path} in {time.monotonic() - started:.0f} s: {len(result.passed)} passed, "
                 f"{len(result.failed)} failed, {len(result.not_applicable)} not applicable",
                 file=sys.stderr,
             )
-            if verbose:
-                for node, why in result.failed:
-                    print(f"    FAILED {node}: {why}", file=sys.stderr)
         return results
 
 
@@ -386,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         if not files:
             continue
         print(f"vLLM {version} from {root}", file=sys.stderr)
-        results = run_version(version, root, files, args.verbose)
+        results = run_version(version, root, files)
         figures[version] = print_table(version, results, args.verbose)
     print()
     for version, (passed, applicable) in figures.items():
