@@ -188,10 +188,8 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         if self.nccl_unique_id_b64 is None:
             if self.master_address is None and self.master_port is None:
-                raise ValueError(
-                    "init_info names no rendezvous: give master_address and master_port (the trainer's TCPStore); "
-                    "trainers without one need nccl_unique_id_b64 (their NCCL unique id)"
-                )
+                raise ValueError("init_info names no rendezvous: give master_address and master_port (the "
+                                 "trainer's TCPStore); trainers without one need nccl_unique_id_b64")  # fmt: skip
             if not isinstance(self.master_address, str) or not self.master_address:
                 raise ValueError(
                     f"master_address must be a host name or address (or pass nccl_unique_id_b64 instead), got "
@@ -280,10 +278,8 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         worker_index: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        """Built as vLLM 0.24 builds it, `(config, device)`, or as 0.33 does, `(config, vllm_config, device,
-        model)`; either way it hands tensors to the engine's loader. `worker_index`: this worker's index among the
-        engine's workers (its rank is `rank_offset` + it). `timeout_s`: how long the rendezvous and each broadcast
-        may wait for the trainer."""
+        """`(config, device)` or vLLM 0.33's `(config, vllm_config, device, model)`. `worker_index`: this worker's
+        index among the engine's workers (its rank is `rank_offset` + it); `timeout_s`: the wait for the trainer."""
         super().__init__(config, vllm_config, device, model)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
