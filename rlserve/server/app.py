@@ -36,8 +36,10 @@ from rlserve.lora import LoRARequest
 from rlserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.access import PUBLIC_PATHS, AccessGuard, AccessPolicy, RendezvousHosts
+from rlserve.server.chat_requests import ChatCompletionRequest, ToolCall
 from rlserve.server.completion_echo import CompletionEcho
 from rlserve.server.defaults import ServingDefaults
+from rlserve.server.errors import APIError, ErrorResponse, error_response
 from rlserve.server.framework_routes import (
     FRAMEWORK_PUBLIC_PATHS,
     FrameworkState,
@@ -58,38 +60,26 @@ from rlserve.server.guards import (
     check_chat_size,
     check_prompt_chars,
     check_sampling_limits,
-    error_response,
 )
 from rlserve.server.lora_routes import LoRAAdapters, build_lora_router
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
+from rlserve.server.openai_requests import CompletionRequest, _GenerationRequest
+from rlserve.server.openai_responses import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
-    CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
     DeltaToolCall,
-    ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    TokenFormatter,
-    ToolCall,
     UsageInfo,
-    _GenerationRequest,
-    chat_logprobs,
-    completion_logprobs,
     new_id,
-    prompt_logprobs,
-    routed_experts_field,
-    weight_version_spans,
 )
 from rlserve.server.reasoning_parsers import (
     READS_SPECIAL_TOKENS,
@@ -97,6 +87,14 @@ from rlserve.server.reasoning_parsers import (
     ReasoningParser,
     ReasoningStream,
     reasoning_parser,
+)
+from rlserve.server.response_fields import (
+    TokenFormatter,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+    routed_experts_field,
+    weight_version_spans,
 )
 from rlserve.server.rl_routes import build_rl_router
 from rlserve.server.tool_parsers import StreamingToolCalls, parse_hermes

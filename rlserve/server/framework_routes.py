@@ -42,10 +42,11 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from rlserve.engine.async_llm import AsyncLLM
 from rlserve.server.access import confined_dir
+from rlserve.server.errors import APIError
 from rlserve.server.generate_protocol import GenerateRequest, parse_body
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_OFF, LoadLoRAAdapterRequest, LoRAAdapters
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import APIError, OpenAIBaseModel
+from rlserve.server.request_base import OpenAIBaseModel
 from rlserve.server.rl_routes import _engine_call
 from rlserve.weight_transfer.framework_backends import FP8_NOT_YET, dtype_name_of, pipelinerl_update_info
 

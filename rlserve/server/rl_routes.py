@@ -28,8 +28,9 @@ from rlserve.engine.call_policy import check_rpc_method
 from rlserve.engine.messages import SLEEP_MODES
 from rlserve.engine.profiler import NOT_ENABLED, profiling_enabled
 from rlserve.server.access import RendezvousHosts, confined_dir
+from rlserve.server.errors import APIError
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import APIError, OpenAIBaseModel
+from rlserve.server.request_base import OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
 
 if TYPE_CHECKING:

@@ -23,9 +23,11 @@ from pydantic import BaseModel
 
 import rlserve
 from rlserve.model.loader import load_hf_config, resolve_dtype
+from rlserve.server.chat_requests import ChatCompletionRequest, ChatMessages
+from rlserve.server.errors import APIError
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
 from rlserve.server.guards import check_prompt_chars
-from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessages, CompletionRequest
+from rlserve.server.openai_requests import CompletionRequest
 
 if TYPE_CHECKING:
     from rlserve.server.app import OpenAIServing

@@ -7,14 +7,8 @@ import math
 
 from rlserve.outputs import CompletionOutput, Logprob
 from rlserve.server.app import _sse
-from rlserve.server.protocol import (
-    NEG_INF_LOGPROB,
-    CompletionResponseChoice,
-    CompletionStreamResponse,
-    TokenFormatter,
-    chat_logprobs,
-    completion_logprobs,
-)
+from rlserve.server.openai_responses import CompletionResponseChoice, CompletionStreamResponse
+from rlserve.server.response_fields import NEG_INF_LOGPROB, TokenFormatter, chat_logprobs, completion_logprobs
 
 
 def sample_with_masked_tokens() -> CompletionOutput:
