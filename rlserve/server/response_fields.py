@@ -1,13 +1,15 @@
-"""Engine outputs as the fields of OpenAI responses: logprobs (of the prompt, of a completion, of a chat reply),
-weight-version spans and routed experts."""
+"""Engine outputs as the fields of OpenAI responses: usage, logprobs (of the prompt, of a completion, of a chat
+reply), weight versions and routed experts."""
 
 from __future__ import annotations
 
 import base64
 import math
 from collections.abc import Callable
+from typing import Any
 
-from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, npy_bytes
+from rlserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, npy_bytes
+from rlserve.server.openai_requests import _GenerationRequest
 from rlserve.server.openai_responses import (
     ChatCompletionLogProbs,
     ChatLogprobContent,
@@ -15,11 +17,61 @@ from rlserve.server.openai_responses import (
     CompletionLogProbs,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
+    UsageInfo,
     WeightVersionSpan,
 )
 
 # OpenAI's convention for a logprob of -inf (JSON has no infinity).
 NEG_INF_LOGPROB = -9999.0
+
+
+class Usage:
+    """Token counts of one API request, summed over its prompts and choices."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[index] = len(out.prompt_token_ids)
+        self.cached_tokens[index] = out.num_cached_tokens
+        self.completion_tokens += sum(len(s.token_ids) for s in out.outputs)
+
+    def info(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
+        )
+
+
+class WeightVersions:
+    """Each choice's weight-version fields as the request asks: vLLM's `weight_versions`, spans over all its tokens
+    on its last chunk, and rlserve's `token_weight_versions`, the version of each token of the chunk."""
+
+    def __init__(self, spans: bool, per_token: bool) -> None:
+        self.spans = spans
+        self.per_token = per_token
+        self.seen: dict[int, list[str]] = {}
+
+    @classmethod
+    def of(cls, req: _GenerationRequest) -> WeightVersions:
+        return cls(req.return_weight_versions, req.return_token_weight_versions)
+
+    def __call__(self, index: int, sample: CompletionOutput) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.per_token:
+            fields["token_weight_versions"] = sample.weight_versions
+        if self.spans:
+            versions = self.seen.setdefault(index, [])
+            versions += sample.weight_versions or []
+            if sample.finish_reason is not None:
+                fields["weight_versions"] = weight_version_spans(versions)
+        return fields
 
 
 def weight_version_spans(versions: list[str]) -> list[WeightVersionSpan]:

@@ -18,7 +18,6 @@ from typing import Any
 
 from rlserve.engine.args import FlagParser, add_engine_arguments
 from rlserve.hub import resolve_model
-from rlserve.server.app import API_KEY_ENV, RL_API_KEY_ENV
 from rlserve.server.defaults import (
     GENERATION_CONFIG_CHOICES,
     GENERATION_CONFIG_FIELDS,
@@ -26,14 +25,16 @@ from rlserve.server.defaults import (
     generation_defaults,
     load_chat_template,
 )
-from rlserve.server.framework_routes import add_pipelinerl_arguments, check_pipelinerl_arguments
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
 from rlserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT_S
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_ENV, runtime_lora_updating_env
+from rlserve.server.pipelinerl_group import add_pipelinerl_arguments, check_pipelinerl_arguments
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 from rlserve.server.vllm_flags import UNKNOWN_FLAG_HINT, add_vllm_flags
 
+API_KEY_ENV = "RLSERVE_API_KEY"
+RL_API_KEY_ENV = "RLSERVE_RL_API_KEY"
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's: seconds an idle kept-alive connection stays open

@@ -14,7 +14,7 @@ import json
 import os
 import platform
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import torch
 from fastapi import APIRouter, Body, Request
@@ -28,9 +28,9 @@ from rlserve.server.errors import APIError
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
 from rlserve.server.guards import check_prompt_chars
 from rlserve.server.openai_requests import CompletionRequest
-
-if TYPE_CHECKING:
-    from rlserve.server.app import OpenAIServing
+from rlserve.server.serving import OpenAIServing
+from rlserve.server.serving_chat import chat_prompt
+from rlserve.server.serving_generate import generate_tokens, render_chat_request, render_completion_requests
 
 
 class TokenizeCompletionRequest(_StrictModel):
@@ -78,15 +78,15 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/inference/v1/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
-        return await serving.generate_tokens(req, raw)
+        return await generate_tokens(serving, req, raw)
 
     @router.post("/v1/completions/render")
     async def render_completion(req: CompletionRequest) -> list[dict]:
-        return await serving.render_completion(req)
+        return await render_completion_requests(serving, req)
 
     @router.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> dict:
-        return await serving.render_chat(req)
+        return await render_chat_request(serving, req)
 
     @router.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
@@ -95,7 +95,7 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
         req: TokenizeCompletionRequest | TokenizeChatRequest
         if "messages" in body:
             req = parse_body(body, TokenizeChatRequest)
-            serving._check_model(req.model)
+            serving.check_model(req.model)
             chat = ChatCompletionRequest(
                 messages=req.messages,
                 add_generation_prompt=req.add_generation_prompt,
@@ -103,11 +103,11 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
             )
 
             def text() -> str:
-                return serving._chat_prompt(chat)["prompt"]
+                return chat_prompt(serving, chat)["prompt"]
 
         else:
             req = parse_body(body, TokenizeCompletionRequest)
-            serving._check_model(req.model)
+            serving.check_model(req.model)
 
             def text() -> str:
                 check_prompt_chars(req.prompt, engine.max_model_len, "prompt")
@@ -124,7 +124,7 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
-        serving._check_model(req.model)
+        serving.check_model(req.model)
         # Checked before any other work: a detokenized text is a prompt or an output, neither longer than the context.
         if len(req.tokens) > engine.max_model_len:
             message = f"tokens: {len(req.tokens)} ids, more than max_model_len={engine.max_model_len}"
