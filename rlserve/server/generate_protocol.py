@@ -160,7 +160,8 @@ class GenerateRequest(_StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # the prompt's token ids in the response (vLLM's)
-    return_token_weight_versions: bool = False  # rlserve's: each choice's token_weight_versions (see protocol.py)
+    # rlserve's: each choice's token_weight_versions (see openai_requests.py)
+    return_token_weight_versions: bool = False
     output_mode: Literal["tokens"] = "tokens"
     priority: Literal[0] = 0  # rlserve schedules first come, first served
 

@@ -2,7 +2,7 @@
 a framework's `vllm serve ...` command line runs with only the command changed.
 
 Every flag of `vllm serve` 0.22-0.33 is implemented, accepted as a documented no-op, or refused by name with the
-reason (the table in vllm_flags.py;
+reason (the table in vllm_flag_decisions.py;
 --quantization is an engine flag, rlserve.config.QUANTIZATIONS), never dropped. The checks run as
 the command line is parsed, so a bad combination is a usage error (exit 2) before anything starts.
 """
