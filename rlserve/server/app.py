@@ -32,7 +32,7 @@ from rlserve.server.openai_routes import build_openai_router, build_service_rout
 from rlserve.server.rl_routes import build_rl_routers
 from rlserve.server.serving import OpenAIServing
 from rlserve.server.skyrl_routes import build_skyrl_router
-from rlserve.server.vllm_routes import build_vllm_router
+from rlserve.server.vllm_routes import build_vllm_routers
 
 
 def build_app(
@@ -75,7 +75,7 @@ def build_app(
     app.include_router(service_router)
     api_routers = [
         build_openai_router(serving),
-        build_vllm_router(serving),
+        *build_vllm_routers(serving),
         build_lora_router(serving.adapters, allowed_weight_dirs, runtime_lora_updating),
         build_skyrl_router(serving, allowed_weight_dirs, runtime_lora_updating),
     ]

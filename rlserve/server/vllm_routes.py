@@ -71,9 +71,12 @@ def _shown_value(name: str, value: str) -> str:
     return REDACTED if SECRET_NAME.search(name.upper()) else value
 
 
-def build_vllm_router(serving: OpenAIServing) -> APIRouter:
-    engine = serving.engine
-    tokenizer = engine.tokenizer
+def build_vllm_routers(serving: OpenAIServing) -> list[APIRouter]:
+    return [_generate_router(serving), _tokenizer_router(serving), _server_facts_router(serving)]
+
+
+def _generate_router(serving: OpenAIServing) -> APIRouter:
+    """Token-in/token-out generation, and the rendering of its requests."""
     router = APIRouter(tags=["vllm"])
 
     @router.post("/inference/v1/generate")
@@ -87,6 +90,14 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> dict:
         return await render_chat_request(serving, req)
+
+    return router
+
+
+def _tokenizer_router(serving: OpenAIServing) -> APIRouter:
+    engine = serving.engine
+    tokenizer = engine.tokenizer
+    router = APIRouter(tags=["vllm"])
 
     @router.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
@@ -134,6 +145,13 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
         if bad:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": await serving.off_loop(lambda: tokenizer.decode(req.tokens))}
+
+    return router
+
+
+def _server_facts_router(serving: OpenAIServing) -> APIRouter:
+    engine = serving.engine
+    router = APIRouter(tags=["vllm"])
 
     @router.get("/server_info")
     async def server_info(config_format: str = "text") -> dict[str, Any]:
