@@ -88,6 +88,8 @@ def build_skyrl_router(serving: OpenAIServing, allowed_dirs: Collection[str], ru
 
 
 def add_fetch_weights_route(router: APIRouter, engine: AsyncLLM) -> None:
+    """SkyRL's /fetch_weights, a control route: added to the router of the other frameworks' control routes."""
+
     @router.post("/fetch_weights")
     async def fetch_weights(body: FetchWeightsRequest) -> dict[str, Any]:
         """SkyRL's checkpoint-delta fetch: its worker extension's `fetch_weights(target_version, sync_dir, uri)` on
