@@ -24,8 +24,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.engine.wire.call_policy import confined_weight_dir
-from rlserve.server.guards import error_response
-from rlserve.server.protocol import APIError
+from rlserve.server.errors import APIError, error_response
 
 # Routes that reveal nothing a caller could misuse, served to anyone (orchestrators probe them without keys).
 PUBLIC_PATHS = frozenset({"/health", "/health/", "/version", "/metrics", "/load", "/docs", "/openapi.json"})

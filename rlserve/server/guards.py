@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlserve.sampling_params import SamplingParams
-from rlserve.server.protocol import APIError, ChatMessage
+from rlserve.server.chat_requests import ChatMessage
+from rlserve.server.errors import APIError, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,6 @@ class BodyTooLarge(StarletteHTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body: larger than {limit} bytes (--max-request-body-bytes)")
-
-
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.response().model_dump(), status_code=error.code)
 
 
 class RequestGuard:
