@@ -210,11 +210,7 @@ class LLM(EngineFrontEnd):
         """lora_request: the adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        params_list = _final_only(sampling_params, len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
@@ -234,8 +230,7 @@ class LLM(EngineFrontEnd):
             for prompt in validated:
                 request_id = str(next(self._ids))
                 order[request_id] = len(order)
-                params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
-                children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
+                children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
                 child_ids = [c for c, _ in children]
                 requests.append(
                     AddRequest.of(
@@ -442,3 +437,19 @@ def _field(request, name: str) -> dict:
     if isinstance(request, dict):
         return request[name] if name in request and isinstance(request[name], dict) else request
     raise ValueError(f"{name}: expected a request object or a dict")
+
+
+def _final_only(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """Each prompt's params as `generate` runs them (one output per request, at its end): copied once per distinct
+    params object, not once per prompt (the caller's own are left as they are)."""
+    if sampling_params is None:
+        return [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * num_prompts
+    copies: dict[int, SamplingParams] = {}
+    for params in sampling_params:
+        if id(params) not in copies:
+            copies[id(params)] = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [copies[id(params)] for params in sampling_params]
