@@ -8,7 +8,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, model_validator
 
-from rlserve.sampling_params import SamplingParams
 from rlserve.server.errors import APIError
 from rlserve.server.openai_requests import _GenerationRequest
 from rlserve.server.request_base import OpenAIBaseModel
@@ -175,10 +174,10 @@ class ChatCompletionRequest(_GenerationRequest):
         role = "assistant" if self.generation_prompt else last.role
         return last.text() if last.role == role else ""
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_kwargs(self) -> dict[str, Any]:
         self.check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_kwargs(max_tokens, logprobs)

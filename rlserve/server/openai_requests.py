@@ -10,7 +10,6 @@ field.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -104,8 +103,16 @@ class _GenerationRequest(OpenAIBaseModel):
             if value not in off:
                 raise APIError(400, f"{name}: not supported by rlserve (got {value!r})", name)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (each route's own rules); `sampling_params` builds them, or
+        ServingDefaults.sampling_params with the server's defaults, so that a request's params are built once."""
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling_kwargs())
+
+    def _sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        return dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -152,16 +159,16 @@ class CompletionRequest(_GenerationRequest):
     # vLLM's: each choice starts with its prompt (completion_echo.py); with max_tokens 0, it is the prompt scored.
     echo: bool = False
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_kwargs(self) -> dict[str, Any]:
         self.check_supported()
         if not self.echo:
-            return self._sampling_params(self.max_tokens, self.logprobs)
+            return self._sampling_kwargs(self.max_tokens, self.logprobs)
         # vLLM's: the engine samples one token that the choice leaves out, and the prompt is scored at the logprobs
         # depth unless prompt_logprobs is given.
-        params = self._sampling_params(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs)
+        kwargs = self._sampling_kwargs(1 if self.max_tokens == 0 else self.max_tokens, self.logprobs)
         if self.prompt_logprobs is None and self.logprobs is not None:
-            params = replace(params, prompt_logprobs=self.logprobs)
-        return params
+            kwargs["prompt_logprobs"] = self.logprobs
+        return kwargs
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or token list, or a batch of them."""

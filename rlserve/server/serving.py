@@ -22,7 +22,6 @@ from rlserve.outputs import RequestOutput
 from rlserve.sampling_params import SamplingParams
 from rlserve.server.defaults import ServingDefaults
 from rlserve.server.errors import APIError
-from rlserve.server.guards import check_sampling_limits
 from rlserve.server.lora_routes import LoRAAdapters
 from rlserve.server.openai_requests import _GenerationRequest
 from rlserve.server.openai_responses import new_id
@@ -116,30 +115,13 @@ class OpenAIServing:
         rename: Mapping[str, str],
         lora_request: LoRARequest | None = None,
     ) -> list[ValidatedPrompt]:
-        """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts). Each
-        validated prompt carries the adapter it runs with to the engine."""
-        max_model_len = self.engine.max_model_len
+        """Refuse a bad request before any of its prompts reaches the engine (and before a stream starts): the front
+        end's checks (engine/frontend/validation.py) with the served bounds, each ValueError a 400 naming the field
+        (`rename`: this route's name for it). Each validated prompt carries the adapter it runs with to the engine."""
         try:
-            check_sampling_limits(params, len(prompts))
+            return self.engine.validate_prompts(prompts, params, lora_request, api_limits=True)
         except ValueError as e:
             raise APIError.from_value_error(e, SAMPLING_FIELDS, None, rename) from e
-        validated = []
-        for prompt in prompts:
-            try:
-                checked = self.engine.validate_prompt(prompt, params, lora_request)
-            except ValueError as e:
-                raise APIError.from_value_error(e, SAMPLING_FIELDS, None, rename) from e
-            # The engine would silently cut such a request short; OpenAI and vLLM refuse it.
-            if params.max_tokens is not None and len(checked.token_ids) + params.max_tokens > max_model_len:
-                param = rename.get("max_tokens", "max_tokens")
-                raise APIError(
-                    400,
-                    f"{param}: this model's maximum context length is {max_model_len} tokens, but "
-                    f"{len(checked.token_ids)} prompt tokens + {params.max_tokens} completion tokens were requested",
-                    param,
-                )
-            validated.append(checked)
-        return validated
 
     def check_serving(self) -> None:
         """A 503 before a stream starts when the core is known to refuse generation (it refuses each request too:

@@ -4,7 +4,6 @@ as Server-Sent Events. With --reasoning-parser the reply's thinking is split fro
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,14 +53,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     lora = serving.check_model(req.model)
     rename = chat_field_names(req)
     try:
-        params = serving.defaults.apply(req, req.sampling_params())
+        params = serving.defaults.sampling_params(req, **_special_token_overrides(serving.defaults, req))
     except ValueError as e:
         raise APIError.from_value_error(e, SAMPLING_FIELDS, None, rename) from e
     parse_tools = _parses_tool_calls(serving.defaults, req)
-    reads_special_tokens = parse_tools or serving.defaults.reasoning_parser in READS_SPECIAL_TOKENS
-    if reads_special_tokens and "skip_special_tokens" not in req.model_fields_set:
-        # vLLM's: a model's tool-call (or thinking) tags may be special tokens, which the parser must see.
-        params = dataclasses.replace(params, skip_special_tokens=False)
 
     def prepare() -> tuple[list[ValidatedPrompt], ReasoningParser | None]:
         validated = serving.validate([chat_prompt(serving, req)], params, rename, lora)
@@ -121,6 +116,17 @@ def chat_prompt(serving: OpenAIServing, req: ChatCompletionRequest) -> dict[str,
     check_prompt_chars(text, engine.max_model_len, "messages")
     # By default (vLLM's for chat) the template alone places the special tokens: none are added a second time.
     return serving.tokenized(req, text, tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids)
+
+
+def _special_token_overrides(defaults: ServingDefaults, req: ChatCompletionRequest) -> dict[str, Any]:
+    """vLLM's: a model's tool-call (or thinking) tags may be special tokens, which the parser must see, so they are
+    kept unless the request says otherwise (tools asked for without the server's flag are refused after the params
+    are built, by _parses_tool_calls, as before)."""
+    parses_tools = bool(req.tools) and req.tool_choice == "auto" and defaults.enable_auto_tool_choice
+    reads_special_tokens = parses_tools or defaults.reasoning_parser in READS_SPECIAL_TOKENS
+    if reads_special_tokens and "skip_special_tokens" not in req.model_fields_set:
+        return {"skip_special_tokens": False}
+    return {}
 
 
 def _parses_tool_calls(defaults: ServingDefaults, req: ChatCompletionRequest) -> bool:

@@ -36,7 +36,7 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     lora = serving.check_model(req.model)
     rename = {"prompt_token_ids": "prompt"}
     try:
-        params = serving.defaults.apply(req, req.sampling_params())
+        params = serving.defaults.sampling_params(req)
     except ValueError as e:
         raise APIError.from_value_error(e, SAMPLING_FIELDS, "prompt", rename) from e
     prompts = await serving.off_loop(lambda: serving.validate(completion_prompts(serving, req), params, rename, lora))

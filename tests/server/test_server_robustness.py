@@ -19,13 +19,8 @@ from fastapi import FastAPI
 from server_helpers import MODEL_NAME, Server, free_port
 from test_server_errors import GREEDY, assert_error
 
-from rlserve.server.guards import (
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    MAX_SAMPLES_PER_REQUEST,
-    MAX_STRING_CHARS,
-    MAX_STRINGS_PER_FIELD,
-    RequestGuard,
-)
+from rlserve.engine.frontend.validation import MAX_SAMPLES_PER_REQUEST, MAX_STRING_CHARS, MAX_STRINGS_PER_FIELD
+from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES, RequestGuard
 
 JSON = {"content-type": "application/json"}
 NOT_UTF8 = b'{"method": "describe\xff\xfe"}'
