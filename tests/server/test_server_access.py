@@ -35,8 +35,8 @@ SECRETS = {
     "VLLM_AUTH_HEADER": "auth_secret",
 }
 NOT_SECRET = {"VLLM_LOGGING_LEVEL": "WARNING"}
-# /health's bound while a bad request is handled (test_server_robustness.py says why not less on shared CI cores).
-HEALTH_BOUND_S = 2.0
+# /health's bound while a bad request is handled: issue 28's 1 s (test_server_robustness.py gives the margin measured).
+HEALTH_BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module")
