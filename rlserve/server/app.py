@@ -945,7 +945,9 @@ def build_app(
         frameworks = app.state.frameworks = FrameworkState()
         rl_router = build_rl_router(engine, serving.active, metrics, allowed_weight_dirs, rendezvous_hosts, frameworks)
         app.include_router(rl_router, responses=errors)
-        framework_router = build_framework_router(engine, serving.adapters, metrics, frameworks, allowed_weight_dirs)
+        framework_router = build_framework_router(
+            engine, serving.adapters, metrics, frameworks, allowed_weight_dirs, rendezvous_hosts
+        )
         app.include_router(framework_router, responses=errors)
         rl_routes = [*rl_router.routes, *framework_router.routes]
         rl_paths = frozenset(route.path for route in rl_routes) - FRAMEWORK_PUBLIC_PATHS
