@@ -60,6 +60,19 @@ def test_lockstep_greedy_outputs_equal_one_cores_and_idle_ranks_step(qwen3_dir, 
         llm.shutdown()
 
 
+def _settled_dummy_steps(llm, deadline_s: float = 10.0) -> list[int]:
+    """Each rank's dummy steps once they stop changing: a rank may step out a wave after the requests ended."""
+    counts = None
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        latest = [rank["num_dummy_steps"] for rank in llm.stats()["data_parallel"]]
+        if latest == counts:
+            return latest
+        counts = latest
+        time.sleep(0.3)
+    raise AssertionError(f"the ranks kept stepping for {deadline_s:g} s without work: {counts}")
+
+
 def test_wave_notices_without_the_groups_secret_never_reach_a_rank(qwen3_dir, make_llm) -> None:
     """Each rank's wave-notice socket listens on TCP at data_parallel_master_ip: a forged notice made the ranks run
     waves of dummy steps for nobody (one told of a far-off wave alone would wait in the all-gather for its peer, for
@@ -73,7 +86,7 @@ def test_wave_notices_without_the_groups_secret_never_reach_a_rank(qwen3_dir, ma
         # The notice addresses are in the ranks' store, which anyone who reaches its port may read (vLLM's too).
         store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         addresses = [store.get(f"rlserve/dp/notices/{rank}").decode() for rank in range(2)]
-        dummy_steps = [rank["num_dummy_steps"] for rank in llm.stats()["data_parallel"]]
+        dummy_steps = _settled_dummy_steps(llm)  # the generate's wave has ended on both ranks
         with zmq.Context() as context:
             for password in (None, b"not-the-secret"):
                 for address in addresses:
