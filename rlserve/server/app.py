@@ -86,7 +86,9 @@ def build_app(
         frameworks = app.state.frameworks = FrameworkState()
         rl_routers = [
             *build_rl_routers(engine, serving.active, metrics, allowed_weight_dirs, rendezvous_hosts, frameworks),
-            build_framework_router(engine, serving.adapters, metrics, frameworks, allowed_weight_dirs),
+            build_framework_router(
+                engine, serving.adapters, metrics, frameworks, allowed_weight_dirs, rendezvous_hosts
+            ),
         ]
     for router in [*api_routers, *rl_routers]:
         app.include_router(router, responses=errors)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any, Literal
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from rlserve.engine.frontend.async_llm import AsyncLLM
-from rlserve.server.access import confined_dir
+from rlserve.server.access import RendezvousHosts, confined_dir
 from rlserve.server.engine_calls import engine_call
 from rlserve.server.errors import APIError
 from rlserve.server.lora_routes import LoadLoRAAdapterRequest, LoRAAdapters
@@ -37,6 +38,8 @@ from rlserve.server.metrics import ServerMetrics
 from rlserve.server.request_base import OpenAIBaseModel
 from rlserve.server.skyrl_routes import add_fetch_weights_route
 from rlserve.weight_transfer.framework_backends import FP8_NOT_YET, dtype_name_of, pipelinerl_update_info
+
+logger = logging.getLogger(__name__)
 
 NCCL_READY_MARKER = "NCCL_READY"  # prime-rl's orchestrator writes it into weight_dir; its trainer then broadcasts
 FRAMEWORK_PUBLIC_PATHS = frozenset({"/liveness"})  # a probe, as prime-rl serves it
@@ -121,17 +124,34 @@ def build_framework_router(
     metrics: ServerMetrics,
     state: FrameworkState,
     allowed_dirs: Collection[str],
+    rendezvous_hosts: RendezvousHosts,
 ) -> APIRouter:
-    """prime-rl's and PipelineRL's routes: behind the RL key (the server's access guard), but /liveness."""
+    """prime-rl's and PipelineRL's routes: behind the RL key (the server's access guard), but /liveness.
+    `rendezvous_hosts`: where /init_broadcaster may connect, as /init_weight_transfer_engine."""
     router = APIRouter(tags=["rl", "frameworks"])
 
     @router.post("/init_broadcaster")
     async def init_broadcaster(body: InitBroadcasterRequest) -> dict[str, str]:
-        """prime-rl: join its trainer's weight broadcast (blocks until the trainer and every server have joined)."""
+        """prime-rl: join its trainer's weight broadcast (blocks until the trainer and every server have joined).
+        Only at a host the operator allows; a rendezvous that fails is one answer whatever the reason, as
+        /init_weight_transfer_engine's (no port scanner)."""
         if body.quantize_in_weight_transfer:
             raise APIError(400, FP8_NOT_YET, "quantize_in_weight_transfer")
+        await rendezvous_hosts.check_host(body.host, "host")
         init = engine.init_weight_transfer_engine({"init_info": body.model_dump()}, backend="prime_rl")
-        await engine_call(init, "init_info", fields=_INIT_FIELDS, data_param="init_info")
+        try:
+            await engine_call(init, "init_info", fields=_INIT_FIELDS, data_param="init_info")
+        except (ConnectionError, APIError) as e:
+            configured = engine.config.weight_transfer_config
+            other_backend = configured is not None and configured.backend != "prime_rl"
+            if isinstance(e, APIError) and (e.code != 409 or other_backend):
+                raise  # a bad field, or an engine started for another transfer (the core's message says which flag)
+            logger.warning("init_broadcaster failed: %s", e)
+            message = (
+                f"host: the broadcast rendezvous did not complete within {body.timeout:g} s (no trainer's group "
+                "joined at host:port); the server's log has the details"
+            )
+            raise APIError(409, message, "host") from None
         state.weight_dir_by_broadcast = lambda weight_dir: update_weights_from_broadcast(
             engine, metrics, state, weight_dir
         )

@@ -366,9 +366,9 @@ def _add_allowed_names_flags(serve: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="HOST",
-        help="hosts /init_weight_transfer_engine may connect to (its init_info.master_address: the trainer's group), "
-        "'*' for any (default: this machine: loopback, its host names and the --host address; a trainer on another "
-        "node needs its address here)",
+        help="hosts /init_weight_transfer_engine and prime-rl's /init_broadcaster may connect to (the trainer's group "
+        "at init_info.master_address, or host), '*' for any (default: this machine: loopback, its host names and the "
+        "--host address; a trainer on another node needs its address here)",
     )
 
 
