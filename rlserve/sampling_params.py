@@ -137,7 +137,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def child(self, index: int) -> SamplingParams:
-        """Params of the index-th of n samples: seeds differ per sample so that n > 1 gives distinct samples."""
+        """Params of the index-th of n samples: seeds differ per sample so that n > 1 gives distinct samples. With
+        n == 1 the one sample's params are the request's own (no copy); with n > 1 each sample needs its own (n=1,
+        its seed), which the core reads per request."""
+        if self.n == 1:
+            return self
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
 

@@ -188,15 +188,6 @@ MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # Triton kernels: one @triton.jit function is one GPU program, and splitting it would change what the compiler fuses.
 KERNELS = ROOT / "model" / "kernels"
-# Functions of rlserve/server/ over MAX_FUNCTION_LINES that are route tables: one short handler per HTTP route, nested
-# so that each closes over the server's state, registered on the router or app the function returns. Each handler
-# still counts as a function of its own; the table is long only because the server answers many routes.
-SERVER = ROOT / "server"
-ROUTE_TABLES = {
-    "build_app": "the OpenAI routes and the routers the server includes",
-    "build_rl_router": "the RL control routes: pause, sleep, weight updates, collective_rpc",
-    "build_vllm_router": "vLLM's extra routes: generate, render, tokenize, server_info",
-}
 
 
 def _sources() -> list[Path]:
@@ -223,17 +214,10 @@ def test_no_file_or_function_is_oversize():
         f"{path.relative_to(repo)}:{line} {name}: {length} lines"
         for path in _sources()
         for name, line, length in _function_lengths(path)
-        if length > MAX_FUNCTION_LINES and not (name in ROUTE_TABLES and SERVER in path.parents)
+        if length > MAX_FUNCTION_LINES
     ]
     limits = f"files over {MAX_FILE_LINES} lines or functions over {MAX_FUNCTION_LINES}"
     assert not too_long, f"{limits} (split them into named steps):\n" + "\n".join(too_long)
-
-
-def test_route_table_allowlist_is_still_needed():
-    """Each name in ROUTE_TABLES is a function that is still over the limit: the list stays short and true."""
-    lengths = {name: length for path in SERVER.rglob("*.py") for name, _, length in _function_lengths(path)}
-    stale = [name for name in ROUTE_TABLES if lengths.get(name, 0) <= MAX_FUNCTION_LINES]
-    assert not stale, f"drop from ROUTE_TABLES (gone, or now within {MAX_FUNCTION_LINES} lines): {stale}"
 
 
 # The engine's sub-packages by the process they run in, each importing only those below it: the front end (the

@@ -24,8 +24,7 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from rlserve.engine.wire.call_policy import confined_weight_dir
-from rlserve.server.guards import error_response
-from rlserve.server.protocol import APIError
+from rlserve.server.errors import APIError, error_response
 
 # Routes that reveal nothing a caller could misuse, served to anyone (orchestrators probe them without keys).
 PUBLIC_PATHS = frozenset({"/health", "/health/", "/version", "/metrics", "/load", "/docs", "/openapi.json"})
@@ -181,7 +180,10 @@ class RendezvousHosts:
 
     async def check(self, init_info: dict[str, Any]) -> None:
         """403 naming init_info.master_address if it is not a host the operator allowed."""
-        host = init_info.get("master_address")
+        await self.check_host(init_info.get("master_address"), "init_info.master_address")
+
+    async def check_host(self, host: object, field: str) -> None:
+        """403 naming `field` if `host` is not a host the operator allowed."""
         if self.any_host or not isinstance(host, str) or host.lower() in self.names:
             return  # not a string: the backend's own check names the field
         resolved = await asyncio.to_thread(_addresses, host) if not _is_ip_literal(host) else frozenset({host})
@@ -189,7 +191,7 @@ class RendezvousHosts:
             return
         raise APIError(
             403,
-            f"init_info.master_address: {host!r} is not a rendezvous host this server may connect to (this machine by "
-            "default; the operator allows others with --allowed-rendezvous-hosts HOST..., or '*' for any)",
-            "init_info.master_address",
+            f"{field}: {host!r} is not a rendezvous host this server may connect to (this machine by default; the "
+            "operator allows others with --allowed-rendezvous-hosts HOST..., or '*' for any)",
+            field,
         )

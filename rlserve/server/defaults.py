@@ -54,14 +54,26 @@ class ServingDefaults:
 
     def apply(self, req: BaseModel, params: SamplingParams) -> SamplingParams:
         """`params` (built from `req`) with the generation-config defaults of the fields `req` left unset."""
+        updates = self._updates(req, params.max_tokens)
+        return dataclasses.replace(params, **updates) if updates else params
+
+    def sampling_params(self, req: Any, **overrides: Any) -> SamplingParams:
+        """A generation request's params with these defaults (as `apply`) and `overrides`, built (and validated)
+        once: a ValueError names a bad field."""
+        kwargs = req.sampling_kwargs()
+        kwargs.update(self._updates(req, kwargs["max_tokens"]), **overrides)
+        return SamplingParams(**kwargs)
+
+    def _updates(self, req: BaseModel, max_tokens: int | None) -> dict[str, Any]:
+        """The generation-config defaults of the fields `req` left unset (max_tokens: a bound on every request)."""
         updates: dict[str, Any] = {}
         for name, value in self.sampling.items():
             if name == "max_tokens":
                 # vLLM: the config's max_new_tokens bounds every request, also those that ask for more.
-                updates[name] = value if params.max_tokens is None else min(params.max_tokens, value)
+                updates[name] = value if max_tokens is None else min(max_tokens, value)
             elif name not in req.model_fields_set or getattr(req, name) is None:
                 updates[name] = value
-        return dataclasses.replace(params, **updates) if updates else params
+        return updates
 
 
 def generation_defaults(model: str, source: str) -> dict[str, Any]:

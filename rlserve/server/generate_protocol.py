@@ -16,17 +16,12 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from rlserve.outputs import CompletionOutput
 from rlserve.sampling_params import RequestOutputKind, SamplingParams
-from rlserve.server.protocol import (
-    _ONLY_OFF,
-    APIError,
-    OpenAIBaseModel,
-    PromptLogprobs,
-    StreamOptions,
-    UsageInfo,
-    _ChoiceExtras,
-    finite,
-    now,
-)
+from rlserve.server.errors import APIError
+from rlserve.server.openai_requests import StreamOptions
+from rlserve.server.openai_responses import PromptLogprobs, UsageInfo, _ChoiceExtras, now
+from rlserve.server.refused_fields import _ONLY_OFF
+from rlserve.server.request_base import OpenAIBaseModel
+from rlserve.server.response_fields import finite
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -165,7 +160,8 @@ class GenerateRequest(_StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # the prompt's token ids in the response (vLLM's)
-    return_token_weight_versions: bool = False  # rlserve's: each choice's token_weight_versions (see protocol.py)
+    # rlserve's: each choice's token_weight_versions (see openai_requests.py)
+    return_token_weight_versions: bool = False
     output_mode: Literal["tokens"] = "tokens"
     priority: Literal[0] = 0  # rlserve schedules first come, first served
 

@@ -1,10 +1,10 @@
 """What one request may ask of the server, and the ASGI middleware that holds the line before any route runs.
 
 A single request must not stall the event loop (every client, `/health` included, waits on it) nor take the server
-down: bodies are bounded as they arrive, sampling requests are bounded in what they multiply (samples, stop strings),
-prompts are bounded before they are tokenized, and an unexpected exception is a 500 answer on a connection that
-stays open (Starlette's own handler re-raises it to uvicorn, which then drops the connection: keep-alive clients
-saw their next request fail).
+down: bodies are bounded as they arrive, prompts are bounded before they are tokenized, and an unexpected exception
+is a 500 answer on a connection that stays open (Starlette's own handler re-raises it to uvicorn, which then drops
+the connection: keep-alive clients saw their next request fail). What a sampling request multiplies (samples, stop
+strings) is bounded with the rest of the request's checks, in engine/frontend/validation.py.
 """
 
 from __future__ import annotations
@@ -12,43 +12,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlserve.sampling_params import SamplingParams
-from rlserve.server.protocol import APIError, ChatMessage
+from rlserve.server.chat_requests import ChatMessage
+from rlserve.server.errors import APIError, error_response
 
 logger = logging.getLogger(__name__)
 
 # --max-request-body-bytes' default: a batch of dozens of 128k-token prompts as token ids (~7 bytes per id in JSON)
 # fits; what is larger than this costs the event loop a noticeable time just to parse (json.loads runs on it).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
-# Samples one request may ask for (n, times its prompts on /v1/completions): vLLM's default bound on n
-# (VLLM_MAX_N_SEQUENCES). Each sample is set up on the event loop, so n=1,000,000 stalled it for 17 s.
-MAX_SAMPLES_PER_REQUEST = 16384
-# Stop strings and bad words: each string is matched (stop) or tokenized and matched (bad words) for every request
-# step; 10,000 long stop strings took 8.6 s. OpenAI allows 4 stop strings; RL frameworks send a handful.
-MAX_STRINGS_PER_FIELD = 128
-MAX_STRING_CHARS = 1024
 # A text prompt (or a rendered chat) longer than this many characters per token of the context cannot fit once
 # tokenized (real tokenizers average under 10 characters per token): refused before the tokenizer spends time on it.
 # `truncate_prompt_tokens` cuts after tokenizing, so its prompts are bounded the same way.
 MAX_PROMPT_CHARS_PER_TOKEN = 32
-
-
-def check_sampling_limits(params: SamplingParams, num_prompts: int = 1) -> None:
-    """A ValueError naming the field if `params` (for `num_prompts` prompts) asks for more than one request may."""
-    if params.n * num_prompts > MAX_SAMPLES_PER_REQUEST:
-        per = f" x {num_prompts} prompts" if num_prompts > 1 else ""
-        raise ValueError(f"n: at most {MAX_SAMPLES_PER_REQUEST} samples per request, got n={params.n}{per}")
-    for name in ("stop", "bad_words"):
-        strings = getattr(params, name) or []
-        if len(strings) > MAX_STRINGS_PER_FIELD:
-            raise ValueError(f"{name}: at most {MAX_STRINGS_PER_FIELD} strings, got {len(strings)}")
-        longest = max(map(len, strings), default=0)
-        if longest > MAX_STRING_CHARS:
-            raise ValueError(f"{name}: each string at most {MAX_STRING_CHARS} characters, got one of {longest}")
 
 
 def check_prompt_chars(text: str, max_model_len: int, param: str) -> None:
@@ -97,10 +75,6 @@ class BodyTooLarge(StarletteHTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body: larger than {limit} bytes (--max-request-body-bytes)")
-
-
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.response().model_dump(), status_code=error.code)
 
 
 class RequestGuard:

@@ -26,8 +26,9 @@ from pydantic import Field
 
 from rlserve.lora import LoRARequest
 from rlserve.server.access import confined_dir
+from rlserve.server.errors import APIError
 from rlserve.server.generate_protocol import _StrictModel
-from rlserve.server.protocol import APIError, ModelCard
+from rlserve.server.openai_responses import ModelCard
 
 if TYPE_CHECKING:
     from rlserve.engine.frontend.async_llm import AsyncLLM

@@ -16,8 +16,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
@@ -28,15 +28,14 @@ from rlserve.engine.wire.call_policy import check_rpc_method
 from rlserve.engine.wire.messages import SLEEP_MODES
 from rlserve.engine.wire.profiling import NOT_ENABLED, profiling_enabled
 from rlserve.server.access import RendezvousHosts, confined_dir
+from rlserve.server.engine_calls import engine_call
+from rlserve.server.errors import APIError
+from rlserve.server.framework_routes import FrameworkState
 from rlserve.server.metrics import ServerMetrics
-from rlserve.server.protocol import APIError, OpenAIBaseModel
+from rlserve.server.request_base import OpenAIBaseModel
 from rlserve.weight_transfer.checksum import compare_checksums
 
-if TYPE_CHECKING:
-    from rlserve.server.framework_routes import FrameworkState
-
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # The shortest /collective_rpc timeout accepted. The engine core runs a call between steps and cannot interrupt it,
 # so a call that times out still runs to its end; and it starts only after the step in progress (up to hundreds of
@@ -111,21 +110,6 @@ class WeightCheckerRequest(OpenAIBaseModel):
     baseline: Annotated[dict[str, StrictStr] | ChecksumsBody | None, BeforeValidator(_checksum_response_or_map)] = None
 
 
-async def _engine_call(
-    call: Awaitable[T], param: str | None = None, fields: Collection[str] = (), data_param: str | None = None
-) -> T:
-    """`data_param`: the field whose free-form data (init_info, update_info, args) the call carries to the core."""
-    try:
-        return await call
-    except ValueError as e:
-        raise APIError.from_value_error(e, fields, param) from e
-    except RuntimeError as e:
-        raise APIError(409, str(e), param) from e
-    except OverflowError as e:  # the message to the core process carries integers of 64 bits at most
-        where = data_param or param
-        raise APIError(400, f"{where or 'request body'}: a number out of range ({e})", where) from e
-
-
 def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collection[str]) -> None:
     """reload_weights over HTTP: by keyword only, and a `weights_path` only under an allowed directory (as
     /update_weights {"weight_dir"}): the caller must not make the server read any directory it can name."""
@@ -142,18 +126,34 @@ def _check_reload_args(body: CollectiveRPCRequest, allowed_weight_dirs: Collecti
         body.kwargs["weights_path"] = confined_dir(path, allowed_weight_dirs, "weight_dir")
 
 
-def build_rl_router(
+def build_rl_routers(
     engine: AsyncLLM,
     active_requests: Mapping[str, list[str]],
     metrics: ServerMetrics,
     allowed_weight_dirs: Collection[str],
     rendezvous_hosts: RendezvousHosts,
     frameworks: FrameworkState | None = None,
-) -> APIRouter:
-    """`active_requests`: the server's in-flight requests (response id -> engine request ids), for /abort_requests.
-    `allowed_weight_dirs`: where `/update_weights {"weight_dir"}` may load checkpoints from; `rendezvous_hosts`:
-    where /init_weight_transfer_engine may connect. `frameworks`: the framework routes' state (after prime-rl's
+) -> list[APIRouter]:
+    """The RL routers, one per concern, each timing its calls into `metrics`. `active_requests`: the server's
+    in-flight requests (response id -> engine request ids), for /abort_requests. `allowed_weight_dirs`: where
+    `/update_weights {"weight_dir"}` may load checkpoints from; `rendezvous_hosts`: where
+    /init_weight_transfer_engine may connect. `frameworks`: the framework routes' state (after prime-rl's
     /init_broadcaster, a weight_dir update comes over its broadcast)."""
+    timed = Depends(_rl_call_timer(metrics))
+    return [
+        _pause_router(engine, metrics, timed),
+        _sleep_router(engine, timed),
+        _weight_update_router(engine, metrics, allowed_weight_dirs, rendezvous_hosts, frameworks, timed),
+        _workers_router(engine, allowed_weight_dirs, timed),
+        _requests_router(engine, active_requests, timed),
+        _weight_checker_router(engine, timed),
+        _recovery_router(engine, timed),
+        _profile_router(engine, timed),
+    ]
+
+
+def _rl_call_timer(metrics: ServerMetrics) -> Callable[[Request], AsyncIterator[None]]:
+    """A dependency of every RL route: how long the call took, by route."""
 
     async def timed(request: Request) -> AsyncIterator[None]:
         start = time.perf_counter()
@@ -162,9 +162,15 @@ def build_rl_router(
         finally:
             metrics.observe_rl_call(request.scope["route"].path, time.perf_counter() - start)
 
-    router = APIRouter(dependencies=[Depends(timed)], tags=["rl"])
-    # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
-    timed_out_rpcs: dict[str, asyncio.Future] = {}
+    return timed
+
+
+def _rl_router(timed: Any) -> APIRouter:
+    return APIRouter(dependencies=[timed], tags=["rl"])
+
+
+def _pause_router(engine: AsyncLLM, metrics: ServerMetrics, timed: Any) -> APIRouter:
+    router = _rl_router(timed)
 
     @router.post("/pause")
     async def pause(
@@ -173,13 +179,13 @@ def build_rl_router(
         pause_call = engine.pause_generation(
             mode=mode, clear_cache=clear_cache, wait_for_inflight_requests=wait_for_inflight_requests
         )
-        await _engine_call(pause_call, "query.mode")
+        await engine_call(pause_call, "query.mode")
         metrics.generation_paused()
         return {"status": "paused"}
 
     @router.post("/resume")
     async def resume() -> dict[str, str]:
-        await _engine_call(engine.resume_generation())
+        await engine_call(engine.resume_generation())
         metrics.generation_resumed()
         return {"status": "resumed"}
 
@@ -187,22 +193,42 @@ def build_rl_router(
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": await engine.is_paused()}
 
+    return router
+
+
+def _sleep_router(engine: AsyncLLM, timed: Any) -> APIRouter:
+    router = _rl_router(timed)
+
     @router.post("/sleep")
     async def sleep(level: int = 1, mode: str = "abort") -> dict[str, Any]:
         # vLLM's default mode: the requests in flight end (finish_reason "abort") before the engine sleeps.
         if mode not in SLEEP_MODES:
             raise APIError(400, f"query.mode: must be one of {list(SLEEP_MODES)}, got {mode!r}", "query.mode")
-        await _engine_call(engine.sleep(level, mode), "query.level")
+        await engine_call(engine.sleep(level, mode), "query.level")
         return {"status": "sleeping", "level": level}
 
     @router.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
-        awake = await _engine_call(engine.wake_up(tags), "query.tags")
+        awake = await engine_call(engine.wake_up(tags), "query.tags")
         return {"status": "awake" if awake else "sleeping", "tags": tags}
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": await engine.is_sleeping()}
+
+    return router
+
+
+def _weight_update_router(
+    engine: AsyncLLM,
+    metrics: ServerMetrics,
+    allowed_weight_dirs: Collection[str],
+    rendezvous_hosts: RendezvousHosts,
+    frameworks: FrameworkState | None,
+    timed: Any,
+) -> APIRouter:
+    """vLLM's weight-update lifecycle: the transfer engine's rendezvous, start, updates, finish, and the version."""
+    router = _rl_router(timed)
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, str]:
@@ -210,32 +236,19 @@ def build_rl_router(
         fails is one answer whatever the reason, its details in the log: what a port answered (its banner), whether
         it is open, and the core's pid are nobody's business but the operator's."""
         await rendezvous_hosts.check(body.init_info)
-        try:
-            await _engine_call(
-                engine.init_weight_transfer_engine({"init_info": body.init_info}), "init_info", data_param="init_info"
-            )
-        except APIError as e:
-            if e.code != 409 or engine.config.weight_transfer_config is None:  # no backend: the core says which flag
-                raise
-            logger.warning("init_weight_transfer_engine failed: %s", e.message)
-            timeout_s = engine.config.weight_transfer_timeout_s
-            message = (
-                f"init_info: the weight-transfer rendezvous did not complete within {timeout_s:g} s (no trainer's "
-                "group joined at master_address:master_port); the server's log has the details"
-            )
-            raise APIError(409, message, "init_info") from None
+        await _init_weight_transfer(engine, body.init_info)
         return {"message": "Weight transfer initialized"}
 
     @router.post("/start_weight_update")
     async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, str]:
         is_checkpoint_format = True if body is None else body.is_checkpoint_format
-        await _engine_call(engine.start_weight_update(is_checkpoint_format), "is_checkpoint_format")
+        await engine_call(engine.start_weight_update(is_checkpoint_format), "is_checkpoint_format")
         metrics.weight_update_started()
         return {"message": "Weight update started"}
 
     @router.post("/start_draft_weight_update")
     async def start_draft_weight_update() -> dict[str, str]:
-        await _engine_call(engine.start_draft_weight_update())
+        await engine_call(engine.start_draft_weight_update())
         return {"message": "Draft weight update started"}
 
     @router.post("/update_weights")
@@ -244,42 +257,80 @@ def build_rl_router(
         the earlier ones applied, as in vLLM); or prime-rl's `{"weight_dir": PATH}`, a checkpoint directory the
         trainer wrote, loaded in place (checked whole first, so a refused one changes nothing)."""
         if body.weight_dir is not None:
-            if body.update_info is not None:
-                raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
-            if frameworks is not None and frameworks.weight_dir_by_broadcast is not None:
-                return await frameworks.weight_dir_by_broadcast(body.weight_dir)
-            weight_dir = confined_dir(body.weight_dir, allowed_weight_dirs, "weight_dir")
-            await _engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
-            return {"message": "Weights updated"}
+            return await _update_weights_from_dir(engine, body, allowed_weight_dirs, frameworks)
         if body.update_info is None:
             raise APIError(400, "update_info: required (or weight_dir)", "update_info")
         updates = body.update_info if isinstance(body.update_info, list) else [body.update_info]
         for update in updates:
-            await _engine_call(engine.update_weights({"update_info": update}), "update_info", data_param="update_info")
+            await engine_call(engine.update_weights({"update_info": update}), "update_info", data_param="update_info")
         return {"message": "Weights updated"}
 
     @router.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> dict[str, str]:
-        await _engine_call(engine.shutdown_weight_transfer_engine())
+        await engine_call(engine.shutdown_weight_transfer_engine())
         return {"message": "Weight transfer shut down"}
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: FinishWeightUpdateRequest | None = None) -> dict[str, str]:
         version = None if body is None else body.weight_version
-        await _engine_call(engine.finish_weight_update(None if version is None else str(version)), "weight_version")
+        await engine_call(engine.finish_weight_update(None if version is None else str(version)), "weight_version")
         metrics.weight_update_finished()
         return {"message": "Weight update finished"}
 
     @router.post("/update_weight_version")
     async def update_weight_version(body: UpdateWeightVersionRequest) -> dict[str, Any]:
         version = str(body.new_version)
-        await _engine_call(engine.update_weight_version(version), "new_version")
+        await engine_call(engine.update_weight_version(version), "new_version")
         return {"success": True, "new_version": version}
 
     @router.get("/weight_version")
     @router.get("/weight_info")
     async def weight_version() -> dict[str, str]:
         return {"weight_version": await engine.get_weight_version()}
+
+    return router
+
+
+async def _init_weight_transfer(engine: AsyncLLM, init_info: dict[str, Any]) -> None:
+    """Join the trainer's group; a rendezvous that does not complete is one 409, its reason logged."""
+    try:
+        await engine_call(
+            engine.init_weight_transfer_engine({"init_info": init_info}), "init_info", data_param="init_info"
+        )
+    except APIError as e:
+        if e.code != 409 or engine.config.weight_transfer_config is None:  # no backend: the core says which flag
+            raise
+        logger.warning("init_weight_transfer_engine failed: %s", e.message)
+        timeout_s = engine.config.weight_transfer_timeout_s
+        message = (
+            f"init_info: the weight-transfer rendezvous did not complete within {timeout_s:g} s (no trainer's "
+            "group joined at master_address:master_port); the server's log has the details"
+        )
+        raise APIError(409, message, "init_info") from None
+
+
+async def _update_weights_from_dir(
+    engine: AsyncLLM,
+    body: UpdateWeightsRequest,
+    allowed_weight_dirs: Collection[str],
+    frameworks: FrameworkState | None,
+) -> dict[str, Any]:
+    """prime-rl's `/update_weights {"weight_dir"}`: over its broadcast once /init_broadcaster has joined it, else
+    the checkpoint loaded from the directory, which must be under an allowed one."""
+    if body.update_info is not None:
+        raise APIError(400, "weight_dir: send weight_dir or update_info, not both", "weight_dir")
+    if frameworks is not None and frameworks.weight_dir_by_broadcast is not None:
+        return await frameworks.weight_dir_by_broadcast(body.weight_dir)
+    weight_dir = confined_dir(body.weight_dir, allowed_weight_dirs, "weight_dir")
+    await engine_call(engine.load_weights_from_dir(weight_dir), "weight_dir")
+    return {"message": "Weights updated"}
+
+
+def _workers_router(engine: AsyncLLM, allowed_weight_dirs: Collection[str], timed: Any) -> APIRouter:
+    """Calls of the --worker-extension-cls methods on every worker, and the workers' count."""
+    router = _rl_router(timed)
+    # /collective_rpc calls whose caller timed out (method -> the call): the core still runs them.
+    timed_out_rpcs: dict[str, asyncio.Future] = {}
 
     @router.post("/collective_rpc")
     async def collective_rpc(body: CollectiveRPCRequest) -> dict[str, list[Any]]:
@@ -304,7 +355,7 @@ def build_rl_router(
         call = asyncio.ensure_future(engine.collective_rpc(method, None, tuple(body.args), body.kwargs))
         try:
             # shield: a timeout must not cancel the call's future, whose result the core still sends.
-            results = await _engine_call(
+            results = await engine_call(
                 asyncio.wait_for(asyncio.shield(call), body.timeout), "method", data_param="args"
             )
         except TimeoutError:
@@ -325,13 +376,20 @@ def build_rl_router(
     async def get_world_size(include_dp: bool = True) -> dict[str, int]:
         return {"world_size": engine.get_world_size(include_dp)}
 
+    return router
+
+
+def _requests_router(engine: AsyncLLM, active_requests: Mapping[str, list[str]], timed: Any) -> APIRouter:
+    """The requests in flight and the prefix cache they fill."""
+    router = _rl_router(timed)
+
     @router.post("/abort_requests")
     async def abort_requests(body: AbortRequestsRequest | None = None) -> dict[str, Any]:
         wanted = None if body is None else body.request_ids
         ids = list(active_requests) if wanted is None else [r for r in wanted if r in active_requests]
         engine_ids = [e for rid in ids for e in active_requests.get(rid, [])]
         if engine_ids:
-            await _engine_call(engine.abort(engine_ids))
+            await engine_call(engine.abort(engine_ids))
         return {"status": "aborted", "aborted": len(ids)}
 
     @router.post("/reset_prefix_cache")
@@ -339,8 +397,14 @@ def build_rl_router(
         """vLLM's: `success` is always true here, since a reset never waits on blocks in use (they stay with
         their requests and are not shared again). `reset_external`: rlserve has no external (connector) cache,
         so there is nothing more to reset."""
-        await _engine_call(engine.reset_prefix_cache(reset_running_requests))
+        await engine_call(engine.reset_prefix_cache(reset_running_requests))
         return {"success": True}
+
+    return router
+
+
+def _weight_checker_router(engine: AsyncLLM, timed: Any) -> APIRouter:
+    router = _rl_router(timed)
 
     @router.post("/weight_checker")
     async def weight_checker(body: WeightCheckerRequest) -> dict[str, Any]:
@@ -350,11 +414,11 @@ def build_rl_router(
         refused rather than served from zeros)."""
         action = body.action
         if action == "reset":
-            await _engine_call(engine.collective_rpc("reset_weights"))
+            await engine_call(engine.collective_rpc("reset_weights"))
             return {"status": "reset"}
         if action == "compare" and body.baseline is None:
             raise APIError(400, "baseline: action='compare' requires a 'baseline' object", "baseline")
-        checksums = await _engine_call(engine.weight_checksums())
+        checksums = await engine_call(engine.weight_checksums())
         if action == "checksum":
             return {"checksums": checksums}
         baseline = body.baseline.checksums if isinstance(body.baseline, ChecksumsBody) else body.baseline
@@ -362,8 +426,6 @@ def build_rl_router(
         mismatches = sorted(compared["mismatches"] + compared["missing"] + compared["unexpected"])
         return {"match": compared["match"], "mismatches": mismatches}
 
-    _add_recovery_routes(router, engine)
-    _add_profile_routes(router, engine)
     return router
 
 
@@ -380,24 +442,28 @@ def _log_late_rpc(method: str, since: float) -> Callable[[asyncio.Future], None]
     return done
 
 
-def _add_recovery_routes(router: APIRouter, engine: AsyncLLM) -> None:
-    """Routes for an operator whose trainer died (issue 20.1), under the router's key."""
+def _recovery_router(engine: AsyncLLM, timed: Any) -> APIRouter:
+    """Routes for an operator whose trainer died (issue 20.1)."""
+    router = _rl_router(timed)
 
     @router.post("/abandon_weight_update")
     async def abandon_weight_update() -> dict[str, str]:
         """Give up the weight update in progress; `weights`: "restored" (--weight-update-snapshot put the previous
         ones back), "incomplete" (generation is refused until a full update) or "unchanged" (none was written)."""
-        outcome = await _engine_call(engine.abandon_weight_update())
+        outcome = await engine_call(engine.abandon_weight_update())
         return {"message": "Weight update abandoned", "weights": outcome}
 
+    return router
 
-def _add_profile_routes(router: APIRouter, engine: AsyncLLM) -> None:
-    """vLLM 0.33's `POST /start_profile` and `POST /stop_profile` (an empty 200, as vLLM answers), under the router's
+
+def _profile_router(engine: AsyncLLM, timed: Any) -> APIRouter:
+    """vLLM 0.33's `POST /start_profile` and `POST /stop_profile` (an empty 200, as vLLM answers), under the RL
     key. vLLM serves them whenever --profiler-config is set, without authentication (its --api-key guards /v1 only);
-    here they are control routes like the rest of this router: a session slows every step and writes files on the
+    here they are control routes like the other RL routes: a session slows every step and writes files on the
     server's disk, which no caller without the key may do. Without --profiler-config they answer 404, as vLLM does
     (it serves no such route), with the flag to set; starting while a session is active is vLLM's 409, stopping
     without one is a no-op (vLLM's too). An unknown body field is a 400, as on every route here (vLLM ignores it)."""
+    router = _rl_router(timed)
     fields = ("profile_prefix", "delay_iterations", "max_iterations", "profiler_kwargs")
 
     def require_profiler() -> None:
@@ -408,14 +474,16 @@ def _add_profile_routes(router: APIRouter, engine: AsyncLLM) -> None:
     async def start_profile(body: StartProfileRequest | None = None) -> Response:
         require_profiler()
         overrides = {} if body is None else body.model_dump(exclude_none=True)
-        await _engine_call(engine.start_profile(**overrides), fields=fields)
+        await engine_call(engine.start_profile(**overrides), fields=fields)
         return Response(status_code=200)
 
     @router.post("/stop_profile")
     async def stop_profile() -> Response:
         require_profiler()
-        await _engine_call(engine.stop_profile())
+        await engine_call(engine.stop_profile())
         return Response(status_code=200)
+
+    return router
 
 
 def _jsonable(value: Any) -> Any:

@@ -31,12 +31,12 @@ from rlserve.engine.frontend.args import engine_kwargs
 from rlserve.engine.frontend.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
-from rlserve.server.app import RL_API_KEY_ENV, build_app
-from rlserve.server.framework_routes import start_pipelinerl_join
+from rlserve.server.app import build_app
+from rlserve.server.errors import APIError
 from rlserve.server.http_protocol import header_timeout_protocol
 from rlserve.server.metrics import MULTIPROC_DIR_ENV
-from rlserve.server.protocol import APIError
-from rlserve.server.serve_flags import DEV_MODE_ENV, add_serve_parser, api_keys, rl_api_keys
+from rlserve.server.pipelinerl_group import start_pipelinerl_join
+from rlserve.server.serve_flags import DEV_MODE_ENV, RL_API_KEY_ENV, add_serve_parser, api_keys, rl_api_keys
 
 if TYPE_CHECKING:
     import uvicorn

@@ -2,7 +2,7 @@
 a framework's `vllm serve ...` command line runs with only the command changed.
 
 Every flag of `vllm serve` 0.22-0.33 is implemented, accepted as a documented no-op, or refused by name with the
-reason (the table in vllm_flags.py;
+reason (the table in vllm_flag_decisions.py;
 --quantization is an engine flag, rlserve.config.QUANTIZATIONS), never dropped. The checks run as
 the command line is parsed, so a bad combination is a usage error (exit 2) before anything starts.
 """
@@ -18,7 +18,6 @@ from typing import Any
 
 from rlserve.engine.frontend.args import FlagParser, add_engine_arguments
 from rlserve.hub import resolve_model
-from rlserve.server.app import API_KEY_ENV, RL_API_KEY_ENV
 from rlserve.server.defaults import (
     GENERATION_CONFIG_CHOICES,
     GENERATION_CONFIG_FIELDS,
@@ -26,14 +25,16 @@ from rlserve.server.defaults import (
     generation_defaults,
     load_chat_template,
 )
-from rlserve.server.framework_routes import add_pipelinerl_arguments, check_pipelinerl_arguments
 from rlserve.server.guards import DEFAULT_MAX_REQUEST_BODY_BYTES
 from rlserve.server.http_protocol import DEFAULT_HEADER_TIMEOUT_S
 from rlserve.server.lora_routes import RUNTIME_LORA_UPDATING_ENV, runtime_lora_updating_env
+from rlserve.server.pipelinerl_group import add_pipelinerl_arguments, check_pipelinerl_arguments
 from rlserve.server.reasoning_parsers import REASONING_PARSERS, check_reasoning_parser
 from rlserve.server.tool_parsers import TOOL_CALL_PARSERS
 from rlserve.server.vllm_flags import UNKNOWN_FLAG_HINT, add_vllm_flags
 
+API_KEY_ENV = "RLSERVE_API_KEY"
+RL_API_KEY_ENV = "RLSERVE_RL_API_KEY"
 # vLLM serves its RL routes only in dev mode, and then without a key: clients written for it send none.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"  # vLLM's: seconds an idle kept-alive connection stays open
@@ -293,10 +294,32 @@ SERVE_CHECKS = (
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """Every flag of `rlserve serve`, in the order --help lists them."""
+    _add_model_and_address_flags(serve)
+    _add_key_flags(serve)
+    _add_allowed_names_flags(serve)
+    _add_process_flags(serve)
+    _add_request_flags(serve)
+    _add_output_parser_flags(serve)
+    _add_generation_default_flags(serve)
+    _add_vllm_config_flags(serve)
+    _add_lora_flags(serve)
+    _add_accepted_vllm_switches(serve)
+    add_pipelinerl_arguments(serve)
+    add_engine_arguments(serve)
+    add_vllm_flags(serve)
+
+
+def _add_model_and_address_flags(serve: argparse.ArgumentParser) -> None:
+    """The model, and where the server listens."""
     serve.add_argument("model", nargs="?", default=None, help="Hugging Face model directory or hub id (or --model)")
     serve.add_argument("--model", dest="model_flag", default=None, help="the model (vLLM's spelling; default: MODEL)")
     serve.add_argument("--host", default=None, help=f"address to listen on (default: {DEFAULT_HOST})")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+
+
+def _add_key_flags(serve: argparse.ArgumentParser) -> None:
+    """The API keys, and whether (and how) the RL control routes are served."""
     serve.add_argument(
         "--api-key",
         nargs="+",
@@ -320,6 +343,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         f"loopback or an explicit --host; /v1 keeps its key). Default: key, or none when {DEV_MODE_ENV}=1 (which "
         "also turns the RL routes on, as vLLM serves them only in dev mode)",
     )
+
+
+def _add_allowed_names_flags(serve: argparse.ArgumentParser) -> None:
+    """What requests may name: the model's names, weight directories, rendezvous hosts."""
     serve.add_argument(
         "--served-model-name",
         nargs="+",
@@ -339,10 +366,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="HOST",
-        help="hosts /init_weight_transfer_engine may connect to (its init_info.master_address: the trainer's group), "
-        "'*' for any (default: this machine: loopback, its host names and the --host address; a trainer on another "
-        "node needs its address here)",
+        help="hosts /init_weight_transfer_engine and prime-rl's /init_broadcaster may connect to (the trainer's group "
+        "at init_info.master_address, or host), '*' for any (default: this machine: loopback, its host names and the "
+        "--host address; a trainer on another node needs its address here)",
     )
+
+
+def _add_process_flags(serve: argparse.ArgumentParser) -> None:
+    """Logs, and the API server processes."""
     serve.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="rlserve's logs (info: start-up facts and phases)"
     )
@@ -355,6 +386,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         default=1,
         help="API server processes sharing the port, each a client of the one engine core (vLLM's option)",
     )
+
+
+def _add_request_flags(serve: argparse.ArgumentParser) -> None:
+    """How requests are read: token names, chat templates, and the bounds of a request."""
     serve.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
@@ -385,6 +420,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         f"request began) is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g}; idle connections between requests: "
         f"${KEEP_ALIVE_ENV})",
     )
+
+
+def _add_output_parser_flags(serve: argparse.ArgumentParser) -> None:
+    """How chat output is parsed: tool calls and reasoning."""
     serve.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
@@ -401,6 +440,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help=f"the format of the model's thinking: {', '.join(REASONING_PARSERS)} (vLLM's parsers of these names): "
         "chat output up to </think> is message.reasoning (delta.reasoning when streaming), the rest message.content",
     )
+
+
+def _add_generation_default_flags(serve: argparse.ArgumentParser) -> None:
+    """Defaults for the sampling fields a request leaves unset."""
     serve.add_argument(
         "--generation-config",
         default="auto",
@@ -416,6 +459,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help='generation-config fields over --generation-config\'s, e.g. \'{"temperature": 0.6, "max_new_tokens": '
         "512}' (vLLM's option): the same request defaults",
     )
+
+
+def _add_vllm_config_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's configuration flags that rlserve reads in part."""
     serve.add_argument(
         "--additional-config",
         default=None,
@@ -430,6 +477,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="vLLM's executor: rlserve's tensor-parallel ranks are processes of this host, as mp (uni: one rank); ray "
         "is accepted with one rank (its worker runs in the engine core process), external_launcher is refused",
     )
+
+
+def _add_lora_flags(serve: argparse.ArgumentParser) -> None:
+    """LoRA adapters served from the start, and loaded while serving."""
     serve.add_argument(
         "--lora-modules",
         nargs="+",
@@ -444,6 +495,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help=f"let /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters served, from directories "
         f"under --allowed-weight-dirs (as {RUNTIME_LORA_UPDATING_ENV}=true does; needs --enable-lora)",
     )
+
+
+def _add_accepted_vllm_switches(serve: argparse.ArgumentParser) -> None:
+    """vLLM's switches that change nothing here, accepted so its command lines run."""
     serve.add_argument(
         "--enable-sleep-mode",
         action="store_true",
@@ -460,9 +515,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for vLLM's command lines: rlserve logs no periodic stats (read /metrics)",
     )
-    add_pipelinerl_arguments(serve)
-    add_engine_arguments(serve)
-    add_vllm_flags(serve)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> FlagParser:

@@ -12,8 +12,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from rlserve.server.chat_requests import FunctionCall, ToolCall
 from rlserve.server.partial_tags import partial_tag_length
-from rlserve.server.protocol import FunctionCall, ToolCall
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

@@ -14,7 +14,7 @@ import json
 import os
 import platform
 import re
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import torch
 from fastapi import APIRouter, Body, Request
@@ -23,12 +23,14 @@ from pydantic import BaseModel
 
 import rlserve
 from rlserve.model.loader import load_hf_config, resolve_dtype
+from rlserve.server.chat_requests import ChatCompletionRequest, ChatMessages
+from rlserve.server.errors import APIError
 from rlserve.server.generate_protocol import GenerateRequest, _StrictModel, parse_body
 from rlserve.server.guards import check_prompt_chars
-from rlserve.server.protocol import APIError, ChatCompletionRequest, ChatMessages, CompletionRequest
-
-if TYPE_CHECKING:
-    from rlserve.server.app import OpenAIServing
+from rlserve.server.openai_requests import CompletionRequest
+from rlserve.server.serving import OpenAIServing
+from rlserve.server.serving_chat import chat_prompt
+from rlserve.server.serving_generate import generate_tokens, render_chat_request, render_completion_requests
 
 
 class TokenizeCompletionRequest(_StrictModel):
@@ -69,22 +71,33 @@ def _shown_value(name: str, value: str) -> str:
     return REDACTED if SECRET_NAME.search(name.upper()) else value
 
 
-def build_vllm_router(serving: OpenAIServing) -> APIRouter:
-    engine = serving.engine
-    tokenizer = engine.tokenizer
+def build_vllm_routers(serving: OpenAIServing) -> list[APIRouter]:
+    return [_generate_router(serving), _tokenizer_router(serving), _server_facts_router(serving)]
+
+
+def _generate_router(serving: OpenAIServing) -> APIRouter:
+    """Token-in/token-out generation, and the rendering of its requests."""
     router = APIRouter(tags=["vllm"])
 
     @router.post("/inference/v1/generate")
     async def generate(req: GenerateRequest, raw: Request) -> Response:
-        return await serving.generate_tokens(req, raw)
+        return await generate_tokens(serving, req, raw)
 
     @router.post("/v1/completions/render")
     async def render_completion(req: CompletionRequest) -> list[dict]:
-        return await serving.render_completion(req)
+        return await render_completion_requests(serving, req)
 
     @router.post("/v1/chat/completions/render")
     async def render_chat(req: ChatCompletionRequest) -> dict:
-        return await serving.render_chat(req)
+        return await render_chat_request(serving, req)
+
+    return router
+
+
+def _tokenizer_router(serving: OpenAIServing) -> APIRouter:
+    engine = serving.engine
+    tokenizer = engine.tokenizer
+    router = APIRouter(tags=["vllm"])
 
     @router.post("/tokenize")
     async def tokenize(body: Annotated[dict[str, Any], Body()]) -> TokenizeResponse:
@@ -93,7 +106,7 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
         req: TokenizeCompletionRequest | TokenizeChatRequest
         if "messages" in body:
             req = parse_body(body, TokenizeChatRequest)
-            serving._check_model(req.model)
+            serving.check_model(req.model)
             chat = ChatCompletionRequest(
                 messages=req.messages,
                 add_generation_prompt=req.add_generation_prompt,
@@ -101,11 +114,11 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
             )
 
             def text() -> str:
-                return serving._chat_prompt(chat)["prompt"]
+                return chat_prompt(serving, chat)["prompt"]
 
         else:
             req = parse_body(body, TokenizeCompletionRequest)
-            serving._check_model(req.model)
+            serving.check_model(req.model)
 
             def text() -> str:
                 check_prompt_chars(req.prompt, engine.max_model_len, "prompt")
@@ -122,7 +135,7 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
-        serving._check_model(req.model)
+        serving.check_model(req.model)
         # Checked before any other work: a detokenized text is a prompt or an output, neither longer than the context.
         if len(req.tokens) > engine.max_model_len:
             message = f"tokens: {len(req.tokens)} ids, more than max_model_len={engine.max_model_len}"
@@ -132,6 +145,13 @@ def build_vllm_router(serving: OpenAIServing) -> APIRouter:
         if bad:
             raise APIError(400, f"tokens: ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", "tokens")
         return {"prompt": await serving.off_loop(lambda: tokenizer.decode(req.tokens))}
+
+    return router
+
+
+def _server_facts_router(serving: OpenAIServing) -> APIRouter:
+    engine = serving.engine
+    router = APIRouter(tags=["vllm"])
 
     @router.get("/server_info")
     async def server_info(config_format: str = "text") -> dict[str, Any]:

@@ -32,7 +32,7 @@ from rlserve.weight_transfer.base import (
 )
 from rlserve.weight_transfer.base import WeightTransferUpdateInfo as _UpdateInfo
 from rlserve.weight_transfer.framework_group import StatelessGroupMember
-from rlserve.weight_transfer.nccl import DEFAULT_TIMEOUT_S
+from rlserve.weight_transfer.nccl import DEFAULT_TIMEOUT_S, MAX_WORLD_SIZE
 from rlserve.weight_transfer.stateless_group import decode_store_value
 
 MAX_METADATA_BYTES = 64 << 20  # one state dict's pickled names and shapes; far above any model's
@@ -102,7 +102,7 @@ class PrimeRLInitInfo(WeightTransferInitInfo):
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a host name or address, got {self.host!r}")
         _check_int("port", self.port, 1, 65535)
-        _check_int("inference_world_size", self.inference_world_size, 1)
+        _check_int("inference_world_size", self.inference_world_size, 1, MAX_WORLD_SIZE - 1)  # and the trainer
         _check_int("rank_offset", self.rank_offset, 0, self.inference_world_size - 1)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not self.timeout > 0:
             raise ValueError(f"timeout: must be a number of seconds > 0, got {self.timeout!r}")

@@ -58,6 +58,9 @@ from rlserve.weight_transfer.trainer import (
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 600.0
+# Ranks in one weight-transfer group, at most: far more than any trainer and its inference workers, and within the
+# C int torch.distributed counts ranks in (a larger one made the store's constructor raise a TypeError: a 500).
+MAX_WORLD_SIZE = 1 << 16
 _STORE_PREFIX = "rlserve/weight_transfer"
 _ARRIVED = "arrived"
 _RLSERVE_ARRIVED_KEY = f"{_STORE_PREFIX}/{_ARRIVED}"  # PrefixStore joins with "/"
@@ -187,13 +190,10 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         if self.nccl_unique_id_b64 is None:
-            if self.master_address is None and self.master_port is None:
-                raise ValueError("init_info names no rendezvous: give master_address and master_port (the "
-                                 "trainer's TCPStore); trainers without one need nccl_unique_id_b64")  # fmt: skip
             if not isinstance(self.master_address, str) or not self.master_address:
                 raise ValueError(
-                    f"master_address must be a host name or address (or pass nccl_unique_id_b64 instead), got "
-                    f"{self.master_address!r}"
+                    f"master_address must be a host name or address, got {self.master_address!r}; trainers without a "
+                    "TCPStore need nccl_unique_id_b64 instead"
                 )
             if type(self.master_port) is not int or not 0 < self.master_port < 65536:
                 raise ValueError(f"master_port must be an int in 1..65535, got {self.master_port!r}")
@@ -201,8 +201,10 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
             if self.master_address is not None or self.master_port is not None:
                 raise ValueError("nccl_unique_id_b64: pass it OR master_address/master_port, not both")
             _ = self.nccl_unique_id_bytes
-        if type(self.world_size) is not int or self.world_size < 2:
-            raise ValueError(f"world_size must be an int >= 2 (trainer + workers), got {self.world_size!r}")
+        if type(self.world_size) is not int or not 2 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ValueError(
+                f"world_size must be an int in 2..{MAX_WORLD_SIZE} (trainer + workers), got {self.world_size!r}"
+            )
         if type(self.rank_offset) is not int or not 1 <= self.rank_offset < self.world_size:
             raise ValueError(f"rank_offset must be in 1..world_size-1, got {self.rank_offset!r}")
         if self.packed_buffer_size_bytes < 1 or self.packed_num_buffers < 1:
@@ -278,8 +280,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         worker_index: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        """`(config, device)` or vLLM 0.33's `(config, vllm_config, device, model)`. `worker_index`: this worker's
-        index among the engine's workers (its rank is `rank_offset` + it); `timeout_s`: the wait for the trainer."""
+        """`(config, device)` or vLLM 0.33's `(config, vllm_config, device, model)`; the rest as in `create_engine`."""
         super().__init__(config, vllm_config, device, model)
         self.worker_index = worker_index
         self.timeout_s = timeout_s

@@ -10,10 +10,14 @@ The protocol itself, with every interleaving, is tests/engine/test_dp_wave.py's.
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed
+import zmq
 from safetensors.torch import load_file
 
 from rlserve import SamplingParams, WeightTransferConfig
@@ -52,6 +56,50 @@ def test_lockstep_greedy_outputs_equal_one_cores_and_idle_ranks_step(qwen3_dir, 
         # One snapshot: the idle rank may still be stepping out its wave, so two calls can read different counts.
         snapshot = llm.stats()
         assert snapshot["num_dummy_steps"] == sum(r["num_dummy_steps"] for r in snapshot["data_parallel"])
+    finally:
+        llm.shutdown()
+
+
+def _settled_dummy_steps(llm, deadline_s: float = 10.0) -> list[int]:
+    """Each rank's dummy steps once they stop changing: a rank may step out a wave after the requests ended."""
+    counts = None
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        latest = [rank["num_dummy_steps"] for rank in llm.stats()["data_parallel"]]
+        if latest == counts:
+            return latest
+        counts = latest
+        time.sleep(0.3)
+    raise AssertionError(f"the ranks kept stepping for {deadline_s:g} s without work: {counts}")
+
+
+def test_wave_notices_without_the_groups_secret_never_reach_a_rank(qwen3_dir, make_llm) -> None:
+    """Each rank's wave-notice socket listens on TCP at data_parallel_master_ip: a forged notice made the ranks run
+    waves of dummy steps for nobody (one told of a far-off wave alone would wait in the all-gather for its peer, for
+    COLLECTIVE_TIMEOUT). A sender without the group's secret, or with a wrong one, gets no connection: no rank steps,
+    and the ranks serve as before."""
+    port = free_port()
+    llm = make_llm(qwen3_dir, **LOCKSTEP, data_parallel_master_port=port)
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7]} for i in range(2)]
+    try:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        # The notice addresses are in the ranks' store, which anyone who reaches its port may read (vLLM's too).
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        addresses = [store.get(f"rlserve/dp/notices/{rank}").decode() for rank in range(2)]
+        dummy_steps = _settled_dummy_steps(llm)  # the generate's wave has ended on both ranks
+        with zmq.Context() as context:
+            for password in (None, b"not-the-secret"):
+                for address in addresses:
+                    with context.socket(zmq.PUSH) as intruder:
+                        intruder.setsockopt(zmq.LINGER, 500)  # time for the handshake, which the rank refuses
+                        if password is not None:
+                            intruder.plain_username, intruder.plain_password = b"rlserve", password
+                        intruder.connect(address)
+                        for wave in range(32):  # the ranks' current wave among them: each would join it
+                            intruder.send(wave.to_bytes(8, "little"))
+        time.sleep(1.0)  # a notice that got through starts a wave within milliseconds
+        assert [rank["num_dummy_steps"] for rank in llm.stats()["data_parallel"]] == dummy_steps
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
     finally:
         llm.shutdown()
 

@@ -20,8 +20,9 @@ from rlserve.cli import build_parser
 from rlserve.config import EngineConfig
 from rlserve.engine.frontend.args import engine_fields, engine_flags, engine_kwargs, make_engine_config
 from rlserve.server import serve_flags
+from rlserve.server.chat_requests import ChatCompletionRequest
 from rlserve.server.defaults import ServingDefaults
-from rlserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from rlserve.server.openai_requests import CompletionRequest
 from rlserve.server.serve_flags import DEV_MODE_ENV
 from rlserve.toy import make_model_dir
 

@@ -35,8 +35,11 @@ SECRETS = {
     "VLLM_AUTH_HEADER": "auth_secret",
 }
 NOT_SECRET = {"VLLM_LOGGING_LEVEL": "WARNING"}
-# /health's bound while a bad request is handled (test_server_robustness.py says why not less on shared CI cores).
-HEALTH_BOUND_S = 2.0
+# What the keyless server's operator allows besides this machine: a name (which resolves nowhere here) and an address
+# (TEST-NET-1: nothing answers there).
+ALLOWED_RENDEZVOUS_HOSTS = ("trainer-0.cluster.test", "192.0.2.7")
+# /health's bound while a bad request is handled: issue 28's 1 s (test_server_robustness.py gives the margin measured).
+HEALTH_BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,11 @@ def keyed_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="module")
 def keyless_rl_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """vLLM dev mode's keyless RL routes (--rl-api-auth none), on loopback."""
+    """vLLM dev mode's keyless RL routes (--rl-api-auth none), on loopback; trainers' groups also at the hosts
+    ALLOWED_RENDEZVOUS_HOSTS names. No weight-transfer backend: prime-rl's /init_broadcaster brings its own."""
     log = tmp_path_factory.mktemp("server-logs") / "keyless.log"
-    yield from _serve(server_model_dir, log, "--enable-rl-api", "--rl-api-auth", "none", api_key=None)
+    args = ("--enable-rl-api", "--rl-api-auth", "none", "--allowed-rendezvous-hosts", *ALLOWED_RENDEZVOUS_HOSTS)
+    yield from _serve(server_model_dir, log, *args, api_key=None)
 
 
 def _address(server: Server) -> tuple[str, int]:
@@ -284,8 +289,45 @@ def test_the_rendezvous_is_confined_and_its_failure_tells_nothing(keyed_server: 
 
     for host in ("192.0.2.1", "example.invalid"):  # TEST-NET-1, and a name that resolves nowhere
         assert_error(init(host, 29500), 403, "init_info.master_address")
+    # More ranks than torch.distributed counts in a C int made the store's constructor raise a TypeError: a 500.
+    with httpx.Client(base_url=keyed_server.url, headers=RL_HEADERS, timeout=60) as http:
+        info = {"master_address": "127.0.0.1", "master_port": 29500, "world_size": 10**12}
+        too_many = assert_error(http.post("/init_weight_transfer_engine", json={"init_info": info}), 400, "init_info")
+    assert "world_size must be an int in 2..65536" in too_many["message"]
     banner = b"SSH-2.0-OpenSSH_9.6\r\n"
     with _banner_port(banner) as other_service:
         answers = [init("127.0.0.1", free_port()), init("127.0.0.1", other_service)]
     first, second = (assert_error(answer, 409, "init_info")["message"] for answer in answers)
     assert first == second and "SSH" not in first and "pid" not in first
+
+
+def test_only_the_named_rendezvous_hosts_and_this_machine_are_reached(keyless_rl_server: Server) -> None:
+    """--allowed-rendezvous-hosts: /init_weight_transfer_engine and prime-rl's /init_broadcaster (which connected
+    anywhere, and answered a closed port with a 500 naming it) reach the hosts it names and loopback; any other host
+    is a 403 that names none of the allowed ones. A rendezvous that fails, at a named host where no trainer waits, a
+    closed port or another service's port, is one 409 whatever the reason."""
+
+    def init_broadcaster(host: str, port: int = 29500) -> httpx.Response:
+        body = {"host": host, "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": 0.2}
+        return http.post("/init_broadcaster", json=body)
+
+    def init_weight_transfer_engine(host: str) -> httpx.Response:
+        info = {"master_address": host, "master_port": 29500, "world_size": 2}
+        return http.post("/init_weight_transfer_engine", json={"init_info": info})
+
+    with httpx.Client(base_url=keyless_rl_server.url, timeout=60) as http:
+        for host in ("192.0.2.8", "trainer-1.cluster.test", "example.invalid"):
+            for response, field in (
+                (init_broadcaster(host), "host"),
+                (init_weight_transfer_engine(host), "init_info.master_address"),
+            ):
+                refused = assert_error(response, 403, field)["message"]
+                assert not any(allowed in refused for allowed in ALLOWED_RENDEZVOUS_HOSTS), refused
+        for host in (*ALLOWED_RENDEZVOUS_HOSTS, "127.0.0.1"):  # past the host check: the core says what is missing
+            unconfigured = assert_error(init_weight_transfer_engine(host), 409, "init_info")["message"]
+            assert "Weight transfer not configured" in unconfigured
+        with _banner_port(b"SSH-2.0-OpenSSH_9.6\r\n") as other_service:
+            failed = [init_broadcaster(host) for host in ALLOWED_RENDEZVOUS_HOSTS]
+            failed += [init_broadcaster("127.0.0.1", free_port()), init_broadcaster("127.0.0.1", other_service)]
+    [message] = {assert_error(response, 409, "host")["message"] for response in failed}
+    assert not any(word in message for word in ("SSH", "pid", "192.0.2", "trainer-0")), message

@@ -16,8 +16,12 @@ import msgspec
 import pytest
 import zmq
 from conftest import TESTS_DIR, _stop, _wait_healthy
-from server_helpers import API_KEY, MODEL_NAME, Server, Stream, launch
+from server_helpers import API_KEY, MODEL_NAME, Server, Stream, free_port, launch
 
+from rlserve.engine.frontend.args import make_engine_config
+from rlserve.engine.frontend.core_client import MPClient
+from rlserve.engine.frontend.launcher import CoreProcess
+from rlserve.engine.wire.backends import registered_backends
 from rlserve.engine.wire.messages import UtilityCall
 
 MAX_TRACED_STEPS = 2  # the operator's profiler_config.max_iterations
@@ -136,6 +140,16 @@ def test_the_core_socket_is_private_and_keyed(core_server: Server) -> None:
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     with core_server.client() as http:
         version = http.get("/weight_version").json()["weight_version"]
+    _drive_without_the_secret(f"ipc://{path}")
+    with core_server.client() as http:
+        assert http.get("/weight_version").json()["weight_version"] == version
+        assert http.get("/is_paused").json() == {"is_paused": False}
+    assert _complete(core_server)["choices"][0]["finish_reason"] == "length"
+
+
+def _drive_without_the_secret(address: str) -> None:
+    """What issue 28's intruder did (rewrite the weight version, pause the engine), as a ZMQ client without the
+    core's secret and then with a wrong one; each must get no answer."""
     calls = [UtilityCall(1, "update_weight_version", ["pwned"]), UtilityCall(2, "pause", ["keep", False])]
     with zmq.Context() as context:
         for password in (None, b"not-the-secret"):
@@ -143,14 +157,28 @@ def test_the_core_socket_is_private_and_keyed(core_server: Server) -> None:
                 intruder.setsockopt(zmq.LINGER, 0)
                 if password is not None:
                     intruder.plain_username, intruder.plain_password = b"rlserve", password
-                intruder.connect(f"ipc://{path}")
+                intruder.connect(address)
                 for call in calls:
                     intruder.send(msgspec.msgpack.encode(call), zmq.NOBLOCK)
                 assert not intruder.poll(1500), "the core answered a client without its secret"
-    with core_server.client() as http:
-        assert http.get("/weight_version").json()["weight_version"] == version
-        assert http.get("/is_paused").json() == {"is_paused": False}
-    assert _complete(core_server)["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_core_listening_on_tcp_is_keyed(server_model_dir: Path) -> None:
+    """Issue 28 row 2: a Ray core on another node listens on TCP (core/actor.py), where no directory's mode guards
+    the socket. The same core loop on a TCP address: a client without the secret (none, or a wrong one) gets no
+    answer, and the weight version and pause state its calls would have changed are unchanged."""
+    config = make_engine_config(str(server_model_dir), num_kv_blocks=16, max_model_len=64)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    client = MPClient(config, lambda config: CoreProcess(config, registered_backends(config), address=address))
+    try:
+        client.connect()
+        assert client.process.address == address
+        version = client.call("get_weight_version")
+        _drive_without_the_secret(address)
+        assert client.call("get_weight_version") == version and client.call("is_paused") is False
+    finally:
+        client.shutdown()
+    assert not client.process.is_alive()
 
 
 def test_allowed_token_ids_are_bounded_and_built_once(core_server: Server, server_model_dir: Path) -> None:

@@ -24,8 +24,10 @@ import pytest
 from conftest import _serve
 from server_helpers import API_KEY, BLOCK_SIZE, MODEL_NAME, Server, Stream, read_stream
 
+from rlserve.server.chat_requests import ChatCompletionRequest
 from rlserve.server.generate_protocol import GenerateRequest
-from rlserve.server.protocol import _ONLY_OFF, REFUSED_FIELDS, ChatCompletionRequest, CompletionRequest
+from rlserve.server.openai_requests import CompletionRequest
+from rlserve.server.refused_fields import _ONLY_OFF, REFUSED_FIELDS
 from rlserve.server.tool_parsers import StreamingToolCalls, parse_hermes
 from rlserve.toy import make_model_dir, make_tokenizer
 

@@ -6,15 +6,9 @@ import json
 import math
 
 from rlserve.outputs import CompletionOutput, Logprob
-from rlserve.server.app import _sse
-from rlserve.server.protocol import (
-    NEG_INF_LOGPROB,
-    CompletionResponseChoice,
-    CompletionStreamResponse,
-    TokenFormatter,
-    chat_logprobs,
-    completion_logprobs,
-)
+from rlserve.server.openai_responses import CompletionResponseChoice, CompletionStreamResponse
+from rlserve.server.response_fields import NEG_INF_LOGPROB, TokenFormatter, chat_logprobs, completion_logprobs
+from rlserve.server.streaming import _sse
 
 
 def sample_with_masked_tokens() -> CompletionOutput:

@@ -18,9 +18,10 @@ from server_helpers import Server, launch
 from rlserve import SamplingParams
 from rlserve.cli import build_parser
 from rlserve.engine.frontend.args import engine_kwargs, make_engine_config
-from rlserve.engine.frontend.limits import EngineLimits
+from rlserve.engine.frontend.validation import EngineLimits
 from rlserve.server import vllm_flags
-from rlserve.server.vllm_flags import DECISIONS, Implemented, NoOp, Refused, VllmFlag
+from rlserve.server.vllm_flag_decisions import DECISIONS, Implemented, NoOp, Refused
+from rlserve.server.vllm_flags import VllmFlag
 
 pytestmark = pytest.mark.usefixtures("model_names_as_dirs")
 

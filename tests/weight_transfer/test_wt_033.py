@@ -164,7 +164,7 @@ def test_nccl_unique_id_needs_nccl_and_is_validated_by_name() -> None:
         "not both": {"nccl_unique_id_b64": uid, "master_address": "127.0.0.1", "master_port": 29500},
         "URL-safe base64 is not accepted": {"nccl_unique_id_b64": base64.urlsafe_b64encode(b"\xfb" * 128).decode()},
         "must decode to 128 bytes, got 127": {"nccl_unique_id_b64": base64.b64encode(bytes(127)).decode()},
-        "names no rendezvous": {},
+        "master_address must be": {},
     }
     for backend in ("nccl", "sparse_nccl"):
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend), CPU, model=_Into())

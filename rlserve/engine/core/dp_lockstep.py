@@ -12,7 +12,11 @@ it was started.
   The same store (`rendezvous_store`, made before the model, which needs it under expert parallel) also builds the
   expert-parallel group (rlserve.model.expert_parallel).
 - The notices: each rank binds a ZMQ PULL socket on `data_parallel_master_ip`, publishes its address in the store
-  and connects a PUSH socket to every peer's.
+  and connects a PUSH socket to every peer's. A forged notice would desynchronise the ranks (one told of a far-off
+  wave starts waves its peers never join, and dies in the all-gather), so the PULL socket is locked as the core's own
+  socket is (wire/auth.py): a sender must present the group's secret in ZMQ's PLAIN handshake, or it never gets a
+  connection. The launcher that starts every rank hands each the one secret (CoreStartup.lockstep_secret); it never
+  goes through the store, which any host that reaches its port may read (a TCPStore has no authentication).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import zmq
 
 from rlserve.config import EngineConfig
 from rlserve.engine.core.dp_wave import SyncFlags
+from rlserve.engine.wire.auth import present_secret, require_secret
 from rlserve.engine.wire.process import COLLECTIVE_TIMEOUT
 
 if TYPE_CHECKING:
@@ -56,7 +61,8 @@ class LockstepLink:
     """One rank's end: `all_gather(flags)` blocks until every rank gave its flags; `announce(wave)` tells the peers
     a wave started; `socket` becomes readable when a peer's notice arrived (`receive` reads it)."""
 
-    def __init__(self, config: EngineConfig, context: zmq.Context, store: torch.distributed.TCPStore) -> None:
+    def __init__(self, config: EngineConfig, store: torch.distributed.TCPStore, secret: str) -> None:
+        """`secret`: the group's, which every rank was started with (the launcher's)."""
         import torch
         import torch.distributed as dist
 
@@ -64,16 +70,21 @@ class LockstepLink:
         self.rank, self.size = rank, size
         host = config.data_parallel_master_ip
         self.group = dist.ProcessGroupGloo(dist.PrefixStore("rlserve/dp/gloo", store), rank, size, COLLECTIVE_TIMEOUT)
-        self.socket = context.socket(zmq.PULL)
+        # A context of its own: a context has one handler of handshakes (ZAP), and the core's socket has another
+        # secret, checked by the handler of the core's context.
+        self._context = zmq.Context()
+        self.socket = self._context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self._authenticator = require_secret(self._context, self.socket, secret)
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         store.set(_NOTICE_KEY.format(rank), f"tcp://{host}:{port}")
         self._peers = []
         for peer in range(size):
             if peer != rank:
-                push = context.socket(zmq.PUSH)
+                push = self._context.socket(zmq.PUSH)
                 push.setsockopt(zmq.LINGER, 0)
                 push.setsockopt(zmq.SNDHWM, 0)  # a notice is never dropped: a peer that missed one would not join
+                present_secret(push, secret)
                 push.connect(store.get(_NOTICE_KEY.format(peer)).decode())
                 self._peers.append(push)
         self._store = store  # rank 0 serves it for as long as the group lives
@@ -100,3 +111,5 @@ class LockstepLink:
         for push in self._peers:
             push.close(linger=0)
         self.socket.close(linger=0)
+        self._authenticator.stop()
+        self._context.term()

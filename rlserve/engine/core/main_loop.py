@@ -84,7 +84,7 @@ def run_engine_core(
     context = zmq.Context()
     link = None
     if store is not None:
-        link = _or_report(ready, RENDEZVOUS_FAILED, lambda: LockstepLink(config, context, store))
+        link = _or_report(ready, RENDEZVOUS_FAILED, lambda: LockstepLink(config, store, _lockstep_secret(startup)))
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a front end that left must not block the core
@@ -107,6 +107,12 @@ def run_engine_core(
         socket.close(linger=0)
         authenticator.stop()
         context.term()
+
+
+def _lockstep_secret(startup: CoreStartup) -> str:
+    if startup.lockstep_secret is None:  # a launcher's bug: the ranks would accept anyone's wave notices
+        raise ValueError("data-parallel lockstep: the launcher gave this rank no secret for its group's wave notices")
+    return startup.lockstep_secret
 
 
 def _stop_on_sigterm() -> threading.Event:

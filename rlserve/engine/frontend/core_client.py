@@ -117,7 +117,9 @@ class MPClient:
 
     in_process = False
 
-    def __init__(self, config: EngineConfig, launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch) -> None:
+    def __init__(
+        self, config: EngineConfig, launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch_one
+    ) -> None:
         self.process = launch(config)
         self.codec = Codec()
         self.context = zmq.Context()
@@ -285,7 +287,7 @@ class AsyncMPClient(AsyncClientBase):
         address: str | None = None,
         pid: int | None = None,
         secret: str | None = None,
-        launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch,
+        launch: Callable[[EngineConfig], Any] = ProcessLauncher.launch_one,
     ) -> None:
         super().__init__()
         self.process = launch(config) if config is not None else None

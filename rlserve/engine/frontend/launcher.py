@@ -58,13 +58,24 @@ class CoreProcess:
     """The front end's handle on an engine-core process: start it (returning at once: `wait_ready`), check it
     lives, stop it."""
 
-    def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
-        self.address = private_ipc_address()
+    def __init__(
+        self,
+        config: EngineConfig,
+        extra_backends: dict[str, str],
+        *,
+        address: str | None = None,
+        lockstep_secret: str | None = None,
+    ) -> None:
+        """`address`: where the core listens (default: a private ipc socket; tcp:// is what a Ray core on another
+        node does). `lockstep_secret`: the one secret of a lockstep group's ranks (dp_lockstep.py)."""
+        self.address = address if address is not None else private_ipc_address()
         self.secret = new_secret()
         context = _fork_server_context()
         reader, writer = context.Pipe(duplex=False)
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
-        startup = CoreStartup(config, self.address, os.getpid(), extra_backends, log_level, self.secret)
+        startup = CoreStartup(
+            config, self.address, os.getpid(), extra_backends, log_level, self.secret, lockstep_secret
+        )
         self.process = context.Process(
             target=run_engine_core, args=(startup, writer), name="rlserve-engine-core", daemon=True
         )
@@ -166,10 +177,18 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 class ProcessLauncher:
-    """`data_parallel_backend="mp"`: each core a child process of this one (forked from the fork server)."""
+    """`data_parallel_backend="mp"`: each core a child process of this one (forked from the fork server). The cores
+    one launcher starts are one group: in lockstep their wave notices carry the group's secret."""
+
+    def __init__(self) -> None:
+        self.lockstep_secret = new_secret()
+
+    def launch(self, config: EngineConfig) -> CoreProcess:
+        return CoreProcess(config, registered_backends(config), lockstep_secret=self.lockstep_secret)
 
     @staticmethod
-    def launch(config: EngineConfig) -> CoreProcess:
+    def launch_one(config: EngineConfig) -> CoreProcess:
+        """One core, in a group of its own (no lockstep peers)."""
         return CoreProcess(config, registered_backends(config))
 
     def shutdown(self) -> None:

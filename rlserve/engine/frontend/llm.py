@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
@@ -15,8 +15,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from rlserve.engine.frontend.args import make_engine_config
 from rlserve.engine.frontend.clients import make_client
 from rlserve.engine.frontend.core_client import EngineDeadError, collective_rpc_args, load_weights_args
-from rlserve.engine.frontend.limits import EngineLimits
 from rlserve.engine.frontend.output_processor import OutputProcessor
+from rlserve.engine.frontend.validation import EngineLimits, PromptType, RequestValidator, ValidatedPrompt
 from rlserve.engine.wire.messages import AddRequest
 from rlserve.engine.wire.profiling import check_session, require_profiling
 from rlserve.lora.request import LoRARequest
@@ -27,20 +27,9 @@ if TYPE_CHECKING:
     from rlserve.config import EngineConfig
     from rlserve.engine.core.engine_core import EngineCore
 
-PromptType = str | dict[str, Any]
-
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def prompt_cache_salt(prompt: PromptType) -> str | None:
-    """vLLM's `cache_salt` of a dict prompt: a prefix-cache namespace (requests with different salts never share
-    cached blocks), e.g. one per policy version."""
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
-    return salt
 
 
 def render_chat(
@@ -81,50 +70,6 @@ def render_chat(
         raise ValueError(f"messages: the chat template failed: {e}") from e
 
 
-def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, str):
-        return prompt, tokenizer(prompt).input_ids
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list):
-                raise ValueError("prompt_token_ids: must be a list of token ids")
-            return prompt.get("prompt"), list(ids)
-        if "prompt" in prompt and isinstance(prompt["prompt"], str):
-            return prompt["prompt"], tokenizer(prompt["prompt"]).input_ids
-    raise ValueError("prompt: expected a string, {'prompt': str} or {'prompt_token_ids': [...]}")
-
-
-def tokenize_bad_words(tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> SamplingParams:
-    """`params` with its bad words as token-id sequences, as vLLM's update_from_tokenizer makes them: each word as
-    written (leading spaces stripped), and with a leading space where that gives a different first token and as many
-    tokens, so that the word is banned at the start of the text and after a space alike."""
-    if not params.bad_words:
-        return params
-    sequences: list[list[int]] = []
-    for word in params.bad_words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not plain:
-            raise ValueError(f"bad_words: {word!r} tokenizes to no token")
-        sequences.append(plain)
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            sequences.append(spaced)
-    return replace(params, _bad_words_token_ids=sequences)
-
-
-@dataclass(frozen=True)
-class ValidatedPrompt:
-    """A prompt tokenized and checked, with `params`, against the engine's limits (`validate_prompt`): the engine
-    queues it without checking it again."""
-
-    text: str | None
-    token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-    lora_request: LoRARequest | None = None
-
-
 class EngineFrontEnd:
     """What LLM and AsyncLLM share: configuration, tokenizer, output processing, and the facts and checks that
     their callers (the server, the CLI) read through them. The engine core itself runs behind a client (in its own
@@ -146,9 +91,19 @@ class EngineFrontEnd:
             raise
         # Garbage collection or interpreter exit stops the core too: no process outlives its front end.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
-        self.limits = EngineLimits(engine_info["max_model_len"], engine_info["vocab_size"], engine_info["max_logprobs"])
+        limits = EngineLimits(engine_info["max_model_len"], engine_info["vocab_size"], engine_info["max_logprobs"])
+        self.validator = RequestValidator(self.tokenizer, limits, self.config.enable_lora)
         self._extension_methods = set(engine_info["worker_extension_methods"])
         self._loaded_loras: dict[int, str] = {}  # adapters this front end loaded: lora_int_id -> lora_name
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The engine's limits, reported by the core; the validator checks every request against them."""
+        return self.validator.limits
+
+    @limits.setter
+    def limits(self, limits: EngineLimits) -> None:
+        self.validator.limits = limits
 
     @property
     def max_model_len(self) -> int:
@@ -159,21 +114,23 @@ class EngineFrontEnd:
         self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None
     ) -> ValidatedPrompt:
         """Tokenize `prompt` and check it with `params` (and the adapter it runs with) against the engine's limits
-        (length, vocabulary, logprobs): the one check of a request before it is queued. A ValueError names the
-        offending field."""
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        params = tokenize_bad_words(self.tokenizer, params)
-        self.limits.check(token_ids, params)
-        self.check_lora_request(lora_request)
-        return ValidatedPrompt(text, token_ids, params, prompt_cache_salt(prompt), lora_request)
+        (length, vocabulary, logprobs): the one check of a request before it is queued (`validation.py`). A
+        ValueError names the offending field."""
+        return self.validator.validate_prompt(prompt, params, lora_request)
+
+    def validate_prompts(
+        self,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        *,
+        api_limits: bool = False,
+    ) -> list[ValidatedPrompt]:
+        """The prompts of one request sharing `params` (see RequestValidator.validate_prompts)."""
+        return self.validator.validate_prompts(prompts, params, lora_request, api_limits=api_limits)
 
     def check_lora_request(self, lora_request: LoRARequest | None) -> None:
-        if lora_request is None:
-            return
-        if not self.config.enable_lora:
-            raise ValueError("lora_request: not supported without enable_lora (start the engine with enable_lora)")
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        self.validator.check_lora_request(lora_request)
 
     def loras_to_add(self, lora_requests: Iterable[LoRARequest | None]) -> list[LoRARequest]:
         """The adapters of a generate call to load (add_lora) before its requests are queued, so that a bad one is a
@@ -253,11 +210,7 @@ class LLM(EngineFrontEnd):
         """lora_request: the adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        params_list = _final_only(sampling_params, len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
@@ -277,8 +230,7 @@ class LLM(EngineFrontEnd):
             for prompt in validated:
                 request_id = str(next(self._ids))
                 order[request_id] = len(order)
-                params = replace(prompt.params, output_kind=RequestOutputKind.FINAL_ONLY)
-                children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, params)
+                children = self.output_processor.add_request(request_id, prompt.text, prompt.token_ids, prompt.params)
                 child_ids = [c for c, _ in children]
                 requests.append(
                     AddRequest.of(
@@ -485,3 +437,19 @@ def _field(request, name: str) -> dict:
     if isinstance(request, dict):
         return request[name] if name in request and isinstance(request[name], dict) else request
     raise ValueError(f"{name}: expected a request object or a dict")
+
+
+def _final_only(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """Each prompt's params as `generate` runs them (one output per request, at its end): copied once per distinct
+    params object, not once per prompt (the caller's own are left as they are)."""
+    if sampling_params is None:
+        return [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * num_prompts
+    copies: dict[int, SamplingParams] = {}
+    for params in sampling_params:
+        if id(params) not in copies:
+            copies[id(params)] = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [copies[id(params)] for params in sampling_params]

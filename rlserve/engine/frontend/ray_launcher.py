@@ -146,6 +146,7 @@ class RayLauncher:
         bundle = {"GPU": config.tensor_parallel_size} if self.on_gpu else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle)] * config.data_parallel_size, strategy="PACK")
         self.cores: list[RayCore] = []
+        self.lockstep_secret = new_secret()  # the ranks' wave notices carry it (dp_lockstep.py)
         try:
             ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
@@ -164,7 +165,15 @@ class RayLauncher:
         # Ray shows the actor only its own GPU (CUDA_VISIBLE_DEVICES): that is cuda:0 there, whatever the rank.
         config = replace(config, device="cuda") if self.on_gpu else config
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
-        startup = CoreStartup(config, private_ipc_address(), None, registered_backends(config), log_level, new_secret())
+        startup = CoreStartup(
+            config,
+            private_ipc_address(),
+            None,
+            registered_backends(config),
+            log_level,
+            new_secret(),
+            self.lockstep_secret,
+        )
         actor = self.actor_class.options(
             num_cpus=0 if self.on_gpu else 1,
             num_gpus=1 if self.on_gpu else 0,

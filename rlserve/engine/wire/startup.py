@@ -23,3 +23,6 @@ class CoreStartup:
     extra_backends: dict[str, str]
     log_level: int  # the front end's, for rlserve's loggers: what it logs, the core logs too
     secret: str  # what every front end presents in its socket's handshake (wire/auth.py)
+    # What the ranks of a data-parallel lockstep group present to each other's wave-notice sockets (dp_lockstep.py):
+    # one per group, from the launcher that starts them all; None outside lockstep.
+    lockstep_secret: str | None = None
