@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "dtypes": 0,
     "log": 0,
     "hub": 0,
+    "platforms": 0,
     "sampling_params": 0,
     "outputs": 0,
     "net": 0,

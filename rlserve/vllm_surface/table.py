@@ -71,6 +71,12 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
         "WeightTransferConfig": "rlserve.config:WeightTransferConfig",
         "ProfilerConfig": "rlserve.config:ProfilerConfig",
     },
+    "vllm.config.parallel": {"ParallelConfig": "rlserve.weight_transfer.base:ParallelConfigLike"},
+    "vllm.platforms": {
+        "current_platform": "rlserve.platforms:current_platform",
+        "Platform": "rlserve.platforms:Platform",
+    },
+    "vllm.utils.nccl": {"_nccl_has_no_cache": "rlserve.weight_transfer.nccl_library:has_nccl_no_cache"},
     "vllm.config.weight_transfer": {"WeightTransferConfig": "rlserve.config:WeightTransferConfig"},
     "vllm.utils.network_utils": {"get_ip": "rlserve.net:get_ip", "get_open_port": "rlserve.net:get_open_port"},
     "vllm.distributed.utils": "rlserve.distributed.utils",

@@ -150,11 +150,15 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     # This worker's index among all the engine's workers (vLLM: dp_rank * TP * PP + rank within the DP group), set
     # by the factory: a backend with one group for every worker (nccl) takes its rank from it.
     worker_index: int = 0
+    # vLLM 0.33's deferred-processing contract: True for a backend whose `receive_weights` returns once the update is
+    # queued rather than applied; it completes it in `finish_weight_update`, which rlserve's engine always calls, and
+    # a caller that runs the update's tail itself calls `drain_pending` first. rlserve's own backends apply in place.
+    defers_processing: ClassVar[bool] = False
 
     def __init__(
         self,
         config: WeightTransferConfig,
-        vllm_config: VllmConfigLike | torch.device | str | None = None,
+        vllm_config: VllmConfigLike | Any | torch.device | str | None = None,
         device: torch.device | str | None = None,
         model: torch.nn.Module | None = None,
     ) -> None:
@@ -163,7 +167,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         if device is None:
             raise TypeError(f"{type(self).__name__}: `device` is required")
         self.config = config
-        self.vllm_config = vllm_config if isinstance(vllm_config, VllmConfigLike) else VllmConfigLike()
+        # vLLM's VllmConfig, or anything shaped like it (a framework's or a test's), is read as given
+        self.vllm_config = VllmConfigLike() if vllm_config is None else vllm_config
         self.parallel_config = self.vllm_config.parallel_config
         self.model_config = self.vllm_config.model_config
         self.device = torch.device(device)
@@ -205,6 +210,10 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     def init_transfer_engine(self, init_info: TInitInfo) -> None:
         """Set up the transport (a rendezvous with the trainer, where the backend has one). May block until the
         trainer joins."""
+
+    def drain_pending(self) -> None:
+        """Block until every deferred update is applied to the model (see `defers_processing`). Safe to call on any
+        backend, any number of times: one that applies synchronously has nothing to drain."""
 
     def start_weight_update(self) -> None:
         """A weight update begins (vLLM 0.33's hook; its dense backends start a layerwise reload here)."""

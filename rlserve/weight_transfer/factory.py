@@ -16,6 +16,7 @@ from rlserve.config import WeightTransferConfig
 from rlserve.weight_transfer.base import ParallelConfigLike, VllmConfigLike, WeightTransferEngine
 from rlserve.weight_transfer.source import WeightSource
 from rlserve.weight_transfer.trainer import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
+from rlserve.weight_transfer.vllm_sender import current_device
 
 EngineLoader = Callable[[], type[WeightTransferEngine]]
 SCRIPT_MODULE_PREFIX = "_rlserve_script_"  # the module names of backends loaded from a script's path
@@ -102,9 +103,9 @@ class WeightTransferEngineFactory:
     def create_engine(
         cls,
         config: WeightTransferConfig,
-        device: torch.device | str,
-        worker_index: int = 0,
-        timeout_s: float | None = None,
+        device: torch.device | str | Any,
+        worker_index: int | torch.device | str = 0,
+        timeout_s: float | torch.nn.Module | None = None,
         model: torch.nn.Module | None = None,
         model_config: Any = None,
     ) -> WeightTransferEngine:
@@ -112,12 +113,25 @@ class WeightTransferEngineFactory:
         A vLLM 0.33-shaped backend (a constructor parameter named `model`) is built as `(config, vllm_config, device,
         model)` with a `VllmConfigLike` placing it at `worker_index`; a 0.24-shaped one as `(config, device)`.
         `timeout_s`: how long the backend may wait for the trainer (EngineConfig.weight_transfer_timeout_s), given to
-        a backend whose constructor takes a `timeout_s` keyword; others keep their own."""
+        a backend whose constructor takes a `timeout_s` keyword; others keep their own.
+
+        vLLM's own calls are accepted too (a second argument that is not a device): 0.33's `create_engine(config,
+        vllm_config, device, model)` and 0.24's `create_engine(config, parallel_config, model)` (on this process's
+        current device); the worker's place is then read from the parallel config."""
+        vllm_config: Any = None
+        if not isinstance(device, torch.device | str):
+            if hasattr(device, "parallel_config"):
+                vllm_config, device, model = device, worker_index, timeout_s
+            else:
+                vllm_config, device, model = VllmConfigLike(device), current_device(), worker_index
+            parallel = vllm_config.parallel_config
+            worker_index, timeout_s = parallel.data_parallel_index * parallel.world_size + parallel.rank, None
         engine_cls = cls.get_engine_cls(config.backend)
         parameters = inspect.signature(engine_cls).parameters
         kwargs = {"timeout_s": timeout_s} if timeout_s is not None and "timeout_s" in parameters else {}
         if "model" in parameters:
-            vllm_config = VllmConfigLike(ParallelConfigLike(data_parallel_index=worker_index), model_config)
+            if vllm_config is None:
+                vllm_config = VllmConfigLike(ParallelConfigLike(data_parallel_index=worker_index), model_config)
             engine = engine_cls(config, vllm_config, torch.device(device), model, **kwargs)
         else:
             engine = engine_cls(config, torch.device(device), **kwargs)

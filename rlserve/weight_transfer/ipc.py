@@ -301,11 +301,12 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         super().__post_init__()
         if self.ipc_handles_pickled is not None:
             raise ValueError(
-                "`ipc_handles_pickled` is refused: rlserve never unpickles request data. Send `ipc_handles` as plain "
-                "data instead (rlserve's IPCWeightTransferEngine.trainer_send_weights does)"
+                "`ipc_handles_pickled` is refused: rlserve never unpickles request data, and "
+                "VLLM_ALLOW_INSECURE_SERIALIZATION=1 does not change that. Send `ipc_handles` as plain data instead "
+                "(rlserve's IPCWeightTransferEngine.trainer_send_weights does)"
             )
         if self.ipc_handles is None:
-            raise ValueError("`ipc_handles` is required")
+            raise ValueError("`ipc_handles` must be provided (rlserve takes no `ipc_handles_pickled`)")
         # A single dict is a packed chunk's buffer; vLLM G3 trainers say `packed` in their config, not here.
         self.packed = self.packed or isinstance(self.ipc_handles, dict)
         count = len(self.names)
@@ -342,8 +343,15 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
     init_info_cls = IPCWeightTransferInitInfo
     update_info_cls = IPCWeightTransferUpdateInfo
 
-    def __init__(self, config: WeightTransferConfig, device: torch.device) -> None:
-        super().__init__(config, device)
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: Any = None,
+        device: torch.device | str | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> None:
+        """`(config, device)` (vLLM 0.24) or `(config, vllm_config, device, model)` (0.33)."""
+        super().__init__(config, vllm_config, device, model)
         self._mapping: _Mapping | None = None
         self._packed = False
 

@@ -192,8 +192,8 @@ class NCCLWeightTransferInitInfo(WeightTransferInitInfo):
         if self.nccl_unique_id_b64 is None:
             if not isinstance(self.master_address, str) or not self.master_address:
                 raise ValueError(
-                    f"master_address must be a host name or address (or pass nccl_unique_id_b64 instead), got "
-                    f"{self.master_address!r}"
+                    f"master_address must be a host name or address, got {self.master_address!r}; trainers without a "
+                    "TCPStore need nccl_unique_id_b64 instead"
                 )
             if type(self.master_port) is not int or not 0 < self.master_port < 65536:
                 raise ValueError(f"master_port must be an int in 1..65535, got {self.master_port!r}")
@@ -273,14 +273,15 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
     def __init__(
         self,
         config: WeightTransferConfig,
-        device: torch.device,
+        vllm_config: Any = None,
+        device: torch.device | str | None = None,
+        model: torch.nn.Module | None = None,
         *,
         worker_index: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        """`worker_index`: this worker's index among the engine's workers (its rank is `rank_offset` + it).
-        `timeout_s`: how long the rendezvous and each broadcast may wait for the trainer."""
-        super().__init__(config, device)
+        """`(config, device)` or vLLM 0.33's `(config, vllm_config, device, model)`; the rest as in `create_engine`."""
+        super().__init__(config, vllm_config, device, model)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
         self._group: TransferGroup | None = None
@@ -550,7 +551,7 @@ class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerIni
         cls, init_info: NCCLTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
     ) -> NCCLTrainerWeightTransferEngine:
         if source is None or not source.implements_iter_full():
-            raise ValueError("the nccl trainer engine sends full tensors: it needs a WeightSource with iter_full()")
+            raise ValueError("the nccl trainer engine sends full tensors: it requires a WeightSource with iter_full()")
         check_single_sender(source)
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:

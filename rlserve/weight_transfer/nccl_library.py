@@ -42,7 +42,7 @@ class ncclUniqueId(ctypes.Structure):  # noqa: N801 (NCCL's and vLLM's name)
 
 def unique_id_from_bytes(data: bytes) -> ncclUniqueId:
     if len(data) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique id is {NCCL_UNIQUE_ID_BYTES} bytes, got {len(data)}")
+        raise ValueError(f"expected a {NCCL_UNIQUE_ID_BYTES}-byte NCCL unique id, got {len(data)} bytes")
     unique_id = ncclUniqueId()
     ctypes.memmove(ctypes.addressof(unique_id), data, NCCL_UNIQUE_ID_BYTES)
     return unique_id
@@ -59,6 +59,21 @@ def find_nccl_library() -> str:
         if candidate.exists():
             return str(candidate)
     return "libnccl.so.2"
+
+
+# NCCL 2.29.7 (encoded as ncclGetVersion reports it) brought NCCL_NO_CACHE.
+_NCCL_NO_CACHE_VERSION = 22907
+
+
+def has_nccl_no_cache() -> bool:
+    """Whether the NCCL this process would load honours NCCL_NO_CACHE (NCCL >= 2.29.7); False without CUDA or a
+    loadable NCCL. vLLM 0.33's `vllm.utils.nccl._nccl_has_no_cache`, which its tests skip on."""
+    if torch.version.cuda is None:
+        return False
+    try:
+        return NCCLLibrary().version() >= _NCCL_NO_CACHE_VERSION
+    except (OSError, RuntimeError):
+        return False
 
 
 class NCCLLibrary:

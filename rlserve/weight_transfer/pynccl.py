@@ -136,7 +136,8 @@ class PyNcclCommunicator:
         """Join from an id minted elsewhere (a torch-free trainer's `ncclGetUniqueId`). No barrier: every rank must
         enter at once. NCCL only: gloo needs a store."""
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+            raise ValueError(f"rank {rank} is out of range for a group of world_size {world_size}")
+        unique_id = unique_id_from_bytes(unique_id_bytes)  # its length is checked before the device
         self = cls.__new__(cls)
         self.group = None
         self.rank, self.world_size = rank, world_size
@@ -147,7 +148,7 @@ class PyNcclCommunicator:
                 "nccl_unique_id_b64: joining from an NCCL unique id needs NCCL on a CUDA device; this rank's device "
                 f"is {self.device} (on CPU, rendezvous over master_address/master_port instead)"
             )
-        self.unique_id = unique_id_from_bytes(unique_id_bytes)
+        self.unique_id = unique_id
         self._prepare(library_path)
         if not self.disabled:
             self._init_comm(None)

@@ -53,7 +53,9 @@ class ParamMeta:
         object.__setattr__(self, "shape", tuple(self.shape))
         if self.owners is None:
             if self.mesh_shape is not None or self.placements is not None:
-                raise ValueError(f"parameter {self.name!r}: mesh_shape/placements need owners")
+                raise ValueError(
+                    f"parameter {self.name!r}: mesh_shape/placements given without owners (the ranks that hold it)"
+                )
             return
         owners = tuple(self.owners)
         if not owners or any(type(r) is not int or r < 0 for r in owners) or len(set(owners)) != len(owners):

@@ -107,7 +107,10 @@ class SparseNCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             )
         for name, count, shape in zip(self.names, self.num_updates_list, self.shapes, strict=True):
             numel = torch.Size(shape).numel()
-            if type(count) is not int or not 0 <= count <= numel:
+            if type(count) is not int or count < 0:
+                raise ValueError(f"num_updates_list: {name!r}: a count of patched elements is a non-negative int, got "
+                                 f"{count!r}")  # fmt: skip
+            if count > numel:
                 raise ValueError(f"num_updates_list: {name!r} has {numel} elements, cannot patch {count!r} of them")
 
 

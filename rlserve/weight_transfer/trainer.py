@@ -142,6 +142,6 @@ def check_single_sender(source: WeightSource) -> None:
     for m in source.metadata:
         if m.owners is not None and m.owners[0] != 0:
             raise ValueError(
-                f"parameter {m.name!r} is first owned by rank {m.owners[0]}, but this backend has one sender, rank 0: "
-                "every parameter's owners must start at rank 0"
+                f"rank 0 does not own every parameter: {m.name!r} is sent by its first owner, rank {m.owners[0]}, but "
+                "this backend has one sender, rank 0 (every parameter's owners must start at rank 0)"
             )

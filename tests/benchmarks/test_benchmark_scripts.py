@@ -73,12 +73,14 @@ SLOW_SMOKE = {
 }
 GPU_ONLY = {"attention_kernels.py", "batch_invariant_profile.py", "receive_overlap.py"}  # Triton kernels, CUDA streams
 # Run by another smoke: offline_generate.py, session_table.py and weight_sync.py (over gloo) by gpu_session.sh's,
-# w7_clients.py by server_throughput.py's (its client processes).
+# w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run fetches vLLM's
+# sdists and takes minutes) by test_vllm_rl_tests_classifies_a_fixture below.
 COVERED_BY = {
     "offline_generate.py": "gpu_session.sh",
     "weight_sync.py": "gpu_session.sh",
     "session_table.py": "gpu_session.sh",
     "w7_clients.py": "server_throughput.py",
+    "vllm_rl_tests.py": "test_vllm_rl_tests_classifies_a_fixture",
 }
 
 
@@ -269,3 +271,50 @@ def test_weight_sync_ipc_table_prints_its_copy_ceiling(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "device copy 4100 GB/s" in out and "raw broadcast" not in out
     assert "0.0117" in out
+
+
+# A stand-in for vLLM 0.33.0's test_packed_tensor.py: vLLM's imports through rlserve's surface, and one test of each
+# kind the script tells apart (passes, fails, skips itself without a GPU).
+VLLM_TEST_FIXTURE = """
+import pytest
+import torch
+
+from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
+
+
+def test_passes():
+    params = [("w", torch.arange(6.0).reshape(2, 3)), ("s", torch.tensor(1.5, dtype=torch.bfloat16))]
+    chunk = pack_tensors(iter(params), lambda item: item[1], buffer_size_bytes=1024)
+    out = unpack_tensor(chunk.packed_tensor, chunk.names, chunk.shapes, chunk.dtypes, chunk.tensor_sizes)
+    assert [(n, t.tolist()) for n, t in out] == [(n, t.tolist()) for n, t in params]
+
+
+def test_fails():
+    assert False, "a failure"
+
+
+def test_needs_a_gpu():
+    pytest.skip("Need at least 1 GPU for this test")
+"""
+
+
+def test_vllm_rl_tests_classifies_a_fixture(tmp_path):
+    """The script over an unpacked tree (no download): the fixture runs under `rlserve run`, each test lands in
+    its class, and the figure counts only the applicable ones."""
+    tests = tmp_path / "tests" / "distributed"
+    tests.mkdir(parents=True)
+    (tmp_path / "tests" / "__init__.py").write_text("")
+    (tests / "__init__.py").write_text("")
+    (tests / "test_packed_tensor.py").write_text(VLLM_TEST_FIXTURE)
+    command = [sys.executable, "benchmarks/vllm_rl_tests.py", "--versions", "0.33.0"]
+    command += ["--source-dir", f"0.33.0={tmp_path}", "--files", "tests/distributed/test_packed_tensor.py"]
+    done = run_script(command, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "| tests/distributed/test_packed_tensor.py | 1 | 1 | 1 | 2 | 50% |" in done.stdout, done.stdout
+    assert "not applicable x1: Need at least 1 GPU for this test" in done.stdout
+    assert "figure vLLM 0.33.0: 1 / 2 = 50.0%" in done.stdout
+
+
+def test_vllm_rl_tests_names_a_bad_source_dir(tmp_path):
+    done = run_script([sys.executable, "benchmarks/vllm_rl_tests.py", "--source-dir", f"0.33.0={tmp_path}"])
+    assert done.returncode != 0 and f"{tmp_path} has no tests/ directory" in done.stderr, done.stderr

@@ -227,7 +227,7 @@ def test_ipc_update_info_validation() -> None:
     sizes = [12, 4]
     packed = engine.parse_update_info(_meta(ipc_handles=handle, tensor_sizes=sizes))
     assert packed.packed and packed.is_last_chunk  # a single dict is a packed buffer
-    with pytest.raises(ValueError, match="`ipc_handles` is required"):
+    with pytest.raises(ValueError, match="`ipc_handles` must be provided"):
         engine.parse_update_info(_meta())
     with pytest.raises(ValueError, match="same size as `names`"):
         engine.parse_update_info(_meta(ipc_handles=[handle]))

@@ -158,7 +158,7 @@ def test_communicator_refuses_what_it_cannot_join() -> None:
         PyNcclCommunicator(StatelessProcessGroup(0, 1, store=None), device="cpu").all_reduce(  # type: ignore[arg-type]
             torch.zeros(1), op=torch.distributed.ReduceOp.MAX
         )
-    with pytest.raises(ValueError, match="an NCCL unique id is 128 bytes, got 3"):
+    with pytest.raises(ValueError, match="expected a 128-byte NCCL unique id, got 3 bytes"):
         unique_id_from_bytes(b"abc")
 
     def bad_id(group: StatelessProcessGroup) -> str:

@@ -1,4 +1,4 @@
-"""`vllm.distributed.weight_transfer.base` (0.33)."""
+"""`vllm.distributed.weight_transfer.base` (0.33; `SparseWeightPatch` is where 0.24 kept it)."""
 
 from rlserve.weight_transfer.base import (
     WeightTransferEngine,
@@ -15,6 +15,7 @@ from rlserve.weight_transfer.source import (
     WeightSource,
     materialize_full_tensor,
 )
+from rlserve.weight_transfer.sparse_nccl import SparseWeightPatch
 from rlserve.weight_transfer.trainer import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ParamMeta",
     "Replicate",
     "Shard",
+    "SparseWeightPatch",
     "TrainerInitInfo",
     "TrainerWeightTransferEngine",
     "VLLMWeightSyncClient",

@@ -1,7 +1,8 @@
-"""`vllm.distributed.weight_transfer.nccl_engine` (0.33)."""
+"""`vllm.distributed.weight_transfer.nccl_engine` (0.33, and 0.24's `NCCLTrainerSendWeightsArgs`)."""
 
 from rlserve.weight_transfer.nccl import (
     NCCLTrainerInitInfo,
+    NCCLTrainerSendWeightsArgs,
     NCCLTrainerWeightTransferEngine,
     NCCLWeightTransferEngine,
     NCCLWeightTransferInitInfo,
@@ -10,6 +11,7 @@ from rlserve.weight_transfer.nccl import (
 
 __all__ = [
     "NCCLTrainerInitInfo",
+    "NCCLTrainerSendWeightsArgs",
     "NCCLTrainerWeightTransferEngine",
     "NCCLWeightTransferEngine",
     "NCCLWeightTransferInitInfo",
