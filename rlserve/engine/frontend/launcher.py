@@ -18,7 +18,6 @@ import types
 from collections.abc import Iterator
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core.main_loop import run_engine_core
 from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address
 from rlserve.engine.wire.backends import registered_backends
 from rlserve.engine.wire.startup import EXIT_PEER_LOST, EXIT_STEP_FAILED, CoreStartup
@@ -59,6 +58,10 @@ class CoreProcess:
     lives, stop it."""
 
     def __init__(self, config: EngineConfig, extra_backends: dict[str, str]) -> None:
+        # Imported here: it brings torch and the engine (seconds), and `rlserve serve` imports this module to start
+        # the fork server before anything else, so that the fork server's imports run alongside its own.
+        from rlserve.engine.core.main_loop import run_engine_core
+
         self.address = private_ipc_address()
         self.secret = new_secret()
         context = _fork_server_context()
