@@ -159,15 +159,16 @@ def _session(pid: int) -> int | None:
 
 def wait_healthy(proc: subprocess.Popen, port: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    with httpx.Client(timeout=2.0) as http:  # one client for every poll (httpx.get makes one, TLS context and all)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if http.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
     raise AssertionError(f"the server was not healthy after {START_TIMEOUT_S:g} s:\n{log.read_text()[-4000:]}")
 
 

@@ -27,12 +27,14 @@ def _kill_core(server: Server) -> int:
 def _watch_health(server: Server, until: float) -> set[int]:
     """Every /health status seen until the server stops answering (or `until`)."""
     seen = set()
-    while time.monotonic() < until:
-        try:
-            seen.add(httpx.get(server.url + "/health", timeout=1.0).status_code)
-        except httpx.TransportError:
-            break
-        time.sleep(0.05)
+    # A fresh connection per poll (the server may be going), on one client: httpx.get makes a client per call.
+    with httpx.Client(timeout=1.0, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        while time.monotonic() < until:
+            try:
+                seen.add(http.get(server.url + "/health").status_code)
+            except httpx.TransportError:
+                break
+            time.sleep(0.05)
     return seen
 
 
