@@ -259,15 +259,16 @@ def _start_server(args: argparse.Namespace, model_dir: Path, workdir: Path) -> t
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     url = f"http://127.0.0.1:{port}"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    with httpx.Client(timeout=2) as http:  # one client for every poll: httpx.get makes one (TLS context and all)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    return proc, url, log
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
     raise TimeoutError("the server did not become healthy")
 
 

@@ -10,7 +10,7 @@ import tempfile
 
 from rlserve import __version__
 from rlserve.engine.frontend.args import FlagParser, add_engine_arguments, engine_kwargs
-from rlserve.engine.frontend.launcher import multiprocessing_enabled, start_fork_server
+from rlserve.engine.frontend.launcher import multiprocessing_enabled, start_fork_server, stop_fork_server
 from rlserve.hub import ModelNotFoundError
 
 
@@ -156,8 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         from rlserve.vllm_surface import run
 
         return run.main((sys.argv[1:] if argv is None else argv)[1:])
-    if command and command[0] in ENGINE_COMMANDS and multiprocessing_enabled():
-        start_fork_server()  # its imports overlap this process's (the server's, the tokenizer's)
+    # Its imports overlap this process's (the server's, the tokenizer's); every core has stopped when the command
+    # returns, and the fork server with them (if this call started it).
+    started = command and command[0] in ENGINE_COMMANDS and multiprocessing_enabled() and start_fork_server()
+    try:
+        return _run(argv)
+    finally:
+        if started:
+            stop_fork_server()
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

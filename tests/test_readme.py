@@ -22,10 +22,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import httpx
 import pytest
 from process_tree import descendants, survivors
+
+from rlserve.rl.demo import EXIT_NO_IMPROVEMENT, LEGEND, DemoConfig, StepRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -156,15 +159,16 @@ def _session(pid: int) -> int | None:
 
 def wait_healthy(proc: subprocess.Popen, port: str, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    with httpx.Client(timeout=2.0) as http:  # one client for every poll (httpx.get makes one, TLS context and all)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if http.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
     raise AssertionError(f"the server was not healthy after {START_TIMEOUT_S:g} s:\n{log.read_text()[-4000:]}")
 
 
@@ -239,11 +243,56 @@ def test_quick_start_runs_as_written(readme: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_readme_demo(readme: str, tmp_path: Path) -> None:
     """The quick start's demo, as written: async GRPO with a weight update per step, which exits 0 when the reward
-    rose beyond noise (about a minute on two idle cores)."""
+    rose beyond noise (about a minute on two idle cores). The one full run of `rlserve demo` in the suite, so it checks
+    the whole of what the run leaves: the log of every step, the plot, the table, the engine's log, no port left open
+    (tests/rl/test_demo.py runs Ctrl-C and the example)."""
     (command,) = [c for c in shell_commands(readme) if skip_reason(c) == "test_readme_demo"]
     out = run(without_comment(command), tmp_path, timeout=600)
     assert "PASS: the reward rose" in out
     assert list(tmp_path.glob("runs/*/log.json")) and list(tmp_path.glob("runs/*/reward.png"))
+    (run_dir,) = tmp_path.glob("runs/*")
+    check_demo_run(run_dir, out, 0)
+
+
+def check_demo_run(out: Path, stdout: str, returncode: int) -> None:
+    """What a finished `rlserve demo` run (output directory `out`) must have written and printed."""
+    log = json.loads((out / "log.json").read_text())
+    config = log["config"]
+    assert config["steps"] == DemoConfig().steps and config["backend"] == "nccl"
+    steps = log["steps"]
+    assert [s["step"] for s in steps] == list(range(1, config["steps"] + 1))
+    assert set(steps[0]) == set(StepRecord.__dataclass_fields__)
+    # Every step's update went through: one version per step, and the engine ends at the last one.
+    assert [s["weight_version"] for s in steps] == [s["step"] for s in steps]
+    assert log["summary"]["engine_weight_version"] == str(config["steps"])
+    assert log["summary"]["trainer_weight_version"] == config["steps"]
+    groups, group_size = config["prompts_per_step"], config["group_size"]
+    for s in steps:
+        assert 0.0 <= s["reward"] <= 1.0
+        # A group counts with at least one sample not dropped for lag.
+        assert s["num_groups"] == groups and groups <= s["num_samples"] <= groups * group_size
+        assert 0 <= s["lag_mean"] <= s["lag_max"] <= config["max_lag"]
+        # fp32 on both sides, each token scored under the weights that sampled it: no mismatch beyond rounding.
+        assert 0.0 <= s["mismatch_kl"] < 1e-8
+        assert s["sync_ms"] > 0 and s["pause_ms"] >= s["sync_ms"]
+        assert s["ratio_min"] <= s["ratio_mean"] <= s["ratio_max"]
+    summary = log["summary"]
+    assert summary["reward_rose"] == (returncode == 0)
+    assert {"start_reward", "end_reward", "margin", "dropped_samples", "wall_s"} <= set(summary)
+    png = (out / "reward.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[20:24], "big") == 9 * 120  # the figure's height in pixels: three panels at 120 dpi
+    # The columns are explained once, above the table; the verdict follows the exit status.
+    assert stdout.count(LEGEND) == 1 and "mismatch KL" in stdout
+    assert ("PASS: the reward rose" in stdout) == (returncode == 0)
+    assert (f"exit status {EXIT_NO_IMPROVEMENT}" in stdout) == (returncode == EXIT_NO_IMPROVEMENT)
+    # The engine's start-up facts: its phases, and serve's line with model, device, dtype, KV cache and URL.
+    engine_log = (out / "engine.log").read_text()
+    assert "model loaded on cpu" in engine_log
+    assert "on cpu in float32: KV cache" in engine_log and f"{summary['engine_url']}/v1" in engine_log
+    url = urlparse(summary["engine_url"])
+    with pytest.raises(OSError), socket.create_connection((url.hostname, url.port), timeout=2):
+        pass  # the engine's port is closed
 
 
 # --- the page's shape -------------------------------------------------------------------------------------------

@@ -48,8 +48,15 @@ class DroppingServer:
                 )
 
     def close(self) -> None:
+        # Closing alone does not wake an accept() blocked in another thread (it waited out its 10 s timeout): a
+        # shutdown does, at once.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
         self.thread.join(timeout=10.0)
+        assert not self.thread.is_alive()
 
 
 def test_idempotent_calls_are_retried_after_a_dropped_connection():

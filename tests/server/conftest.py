@@ -19,9 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, free_port
+from server_helpers import API_KEY, HTTP_TIMEOUT_S, MODEL_NAME, Server, free_port, launch
 
 from rlserve.rl.client import RLServeClient
+from rlserve.server.serve_flags import DEV_MODE_ENV
 from rlserve.toy import make_lora_dir, make_model_dir, make_scripted_model_dir, merge_lora
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -46,15 +47,18 @@ def _start(model_dir: Path, log: Path, *args: str, api_key: str | None, env: dic
 
 def _wait_healthy(server: Server) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
+    # One client for every poll: httpx.get makes a client (and its TLS context, ~20 ms of CPU) per call, which
+    # competed with the starting server for the cores.
+    with httpx.Client(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
+            try:
+                if http.get(server.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
     raise TimeoutError(f"server not healthy after {START_TIMEOUT_S:g} s:\n{server.log_tail()}")
 
 
@@ -173,6 +177,21 @@ def lora_server(server_lora_dirs: dict[str, Path], server_model_dir: Path, tmp_p
     args += ("--lora-modules", f"static={server_lora_dirs['static']}")
     args += ("--allowed-weight-dirs", str(server_lora_dirs["static"].parent))
     yield from _serve(server_model_dir, log, *args, api_key=API_KEY, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+
+
+@pytest.fixture(scope="session")
+def dev_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """As SkyRL and TRL users start vLLM for their clients: dev mode (VLLM_SERVER_DEV_MODE=1), no API key (neither
+    client sends one), `--weight-transfer-config '{"backend": "nccl"}'` (gloo on the CPU). Each test that pushes
+    weights pushes a checkpoint of its own seed, one the server has not had."""
+    args = (str(server_model_dir), "--served-model-name", MODEL_NAME, "--dtype", "float32")
+    args += ("--weight-transfer-config", '{"backend": "nccl"}')
+    server = launch(tmp_path_factory.mktemp("dev-server"), *args, env={DEV_MODE_ENV: "1"})
+    try:
+        _wait_healthy(server)
+        yield server
+    finally:
+        _stop(server)
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,16 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
+import pytest
+from conftest import _start, _stop, _wait_healthy
 from process_tree import descendants, engine_core_pids, survivors
-from server_helpers import MODEL_NAME, Server, Stream, free_port, read_stream
+from server_helpers import API_KEY, MODEL_NAME, Server, Stream, free_port, read_stream
 
+TWO_API_SERVERS = ("--api-server-count", "2", "--enable-rl-api")
 DEATH_NOTICE_S = 3.0  # a pending request or call fails this soon after the core is killed (1 s promised + slack)
 EXIT_S = 15.0
 
@@ -27,12 +32,14 @@ def _kill_core(server: Server) -> int:
 def _watch_health(server: Server, until: float) -> set[int]:
     """Every /health status seen until the server stops answering (or `until`)."""
     seen = set()
-    while time.monotonic() < until:
-        try:
-            seen.add(httpx.get(server.url + "/health", timeout=1.0).status_code)
-        except httpx.TransportError:
-            break
-        time.sleep(0.05)
+    # A fresh connection per poll (the server may be going), on one client: httpx.get makes a client per call.
+    with httpx.Client(timeout=1.0, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        while time.monotonic() < until:
+            try:
+                seen.add(http.get(server.url + "/health").status_code)
+            except httpx.TransportError:
+                break
+            time.sleep(0.05)
     return seen
 
 
@@ -86,8 +93,55 @@ def test_core_killed_during_a_weight_update_call(start_server):
     assert not survivors(children)
 
 
-def test_two_api_servers_share_one_core(start_server):
-    server = start_server("--api-server-count", "2", "--enable-rl-api")
+@pytest.fixture(scope="module")
+def two_api_servers(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Server]]:
+    """two_api_servers() -> a running server with two API servers in front of one core, shared by the tests that
+    use it in turn (the last one here stops it); started again if a test before stopped it."""
+    started: list[Server] = []
+    logs = tmp_path_factory.mktemp("two-api-servers")
+
+    def get() -> Server:
+        if not started or started[-1].proc.poll() is not None:
+            server = _start(server_model_dir, logs / f"server-{len(started)}.log", *TWO_API_SERVERS, api_key=API_KEY)
+            started.append(server)
+            _wait_healthy(server)
+        return started[-1]
+
+    yield get
+    for server in started:
+        _stop(server)
+
+
+def test_an_id_taken_on_another_api_server_leaves_the_running_request_alone(two_api_servers):
+    """Two API servers, one core: a client id that collides with a request running through the other server is
+    refused, and the running request still ends. Before the fix the core gave the id's outputs to the newcomer and,
+    refusing it, dropped them: the running stream never ended."""
+    server = two_api_servers()
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "request_id": "held"}
+    stream = Stream()
+
+    async def held() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await read_stream(client, "/v1/completions", body, into=stream, headers=server.headers)
+
+    reader = threading.Thread(target=lambda: asyncio.run(held()))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while stream.tokens_so_far == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stream.tokens_so_far > 0
+    post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, timeout=30, **kw)  # noqa: E731
+    # Fresh connections while it runs: the kernel spreads them over both servers, so some reach the core from the other.
+    answers = {post("/v1/completions", json={**body, "stream": False}).status_code for _ in range(12)}
+    assert stream.finished_at is None, "the running request ended before the collisions: make it longer"
+    reader.join(60)
+    assert not reader.is_alive(), "the running request never ended"
+    assert answers <= {409, 503}, answers
+    assert stream.only.finish_reasons == ["length"] and stream.only.num_tokens == 400 and not stream.errors
+
+
+def test_two_api_servers_share_one_core(two_api_servers):
+    server = two_api_servers()
     children = descendants(server.proc.pid)
     assert len(engine_core_pids(server.proc.pid)) == 1
     assert len([p for p in children if p not in engine_core_pids(server.proc.pid)]) >= 2  # the API servers
@@ -175,31 +229,3 @@ def test_sigterm_to_the_server_ends_streams_with_an_error_and_exits_0(start_serv
     # The pending call ended as an answer or a closed connection, not as an unhandled exception (issue 28).
     log = server.log_tail(100_000)
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
-
-
-def test_an_id_taken_on_another_api_server_leaves_the_running_request_alone(start_server):
-    """Two API servers, one core: a client id that collides with a request running through the other server is
-    refused, and the running request still ends. Before the fix the core gave the id's outputs to the newcomer and,
-    refusing it, dropped them: the running stream never ended."""
-    server = start_server("--api-server-count", "2", "--enable-rl-api")
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 400, "ignore_eos": True, "request_id": "held"}
-    stream = Stream()
-
-    async def held() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            await read_stream(client, "/v1/completions", body, into=stream, headers=server.headers)
-
-    reader = threading.Thread(target=lambda: asyncio.run(held()))
-    reader.start()
-    deadline = time.monotonic() + 30
-    while stream.tokens_so_far == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert stream.tokens_so_far > 0
-    post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, timeout=30, **kw)  # noqa: E731
-    # Fresh connections while it runs: the kernel spreads them over both servers, so some reach the core from the other.
-    answers = {post("/v1/completions", json={**body, "stream": False}).status_code for _ in range(12)}
-    assert stream.finished_at is None, "the running request ended before the collisions: make it longer"
-    reader.join(60)
-    assert not reader.is_alive(), "the running request never ended"
-    assert answers <= {409, 503}, answers
-    assert stream.only.finish_reasons == ["length"] and stream.only.num_tokens == 400 and not stream.errors

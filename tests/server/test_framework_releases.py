@@ -1,7 +1,8 @@
 """The RL frameworks' released clients drive a real `rlserve serve`: skyrl 0.3.0's `RemoteInferenceClient` and trl
 1.16.0's async GRPO `VLLMClient` (requirements-frameworks.txt), their own classes making their own calls and parsing
-the answers their own way. The server runs as both start vLLM for these clients: dev mode (VLLM_SERVER_DEV_MODE=1), no
-API key (neither client sends one), `--weight-transfer-config '{"backend": "nccl"}'` (gloo on the CPU).
+the answers their own way. The server (conftest's `dev_server`, which test_framework_skyrl.py shares) runs as both start
+vLLM for these clients: dev mode (VLLM_SERVER_DEV_MODE=1), no API key (neither client sends one),
+`--weight-transfer-config '{"backend": "nccl"}'` (gloo on the CPU).
 
 What of those releases does not run here, and why:
 - SkyRL's chunked weight push (`start_weight_update`, `update_weights_nccl`, `finish_weight_update` of the client)
@@ -21,37 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import _stop, _wait_healthy
 from released_frameworks import client_module
 from safetensors.torch import load_file
-from server_helpers import MODEL_NAME, Server, free_port, launch
+from server_helpers import MODEL_NAME, Server, free_port
 
 from rlserve.dtypes import dtype_name
-from rlserve.server.serve_flags import DEV_MODE_ENV
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
 TIMEOUT_S = 60.0
 MAX_TOKENS = 8
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
-
-
-@pytest.fixture(scope="module")
-def dev_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("releases")
-    args = (str(server_model_dir), "--served-model-name", MODEL_NAME, "--dtype", "float32")
-    server = launch(tmp, *args, "--weight-transfer-config", '{"backend": "nccl"}', env={DEV_MODE_ENV: "1"})
-    try:
-        _wait_healthy(server)
-        yield server
-    finally:
-        _stop(server)
 
 
 def _checkpoint(tmp_path: Path, seed: int) -> dict[str, torch.Tensor]:

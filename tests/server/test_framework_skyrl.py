@@ -7,17 +7,14 @@ group (gloo here) with vLLM 0.33's init / start / update / finish calls."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import _stop, _wait_healthy
 from safetensors.torch import load_file
-from server_helpers import Server, free_port, launch
+from server_helpers import Server, free_port
 
 from rlserve.dtypes import dtype_name
-from rlserve.server.serve_flags import DEV_MODE_ENV
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
@@ -25,17 +22,10 @@ TIMEOUT_S = 60.0
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def skyrl_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("skyrl")
-    server = launch(
-        tmp, str(server_model_dir), "--weight-transfer-config", '{"backend": "nccl"}', env={DEV_MODE_ENV: "1"}
-    )
-    try:
-        _wait_healthy(server)
-        yield server
-    finally:
-        _stop(server)
+@pytest.fixture
+def skyrl_server(dev_server: Server) -> Server:
+    """conftest's dev-mode server, shared with test_framework_releases.py: as SkyRL starts vLLM, no key anywhere."""
+    return dev_server
 
 
 def _generate(http: httpx.Client, token_ids: list[int]) -> dict:
@@ -64,7 +54,8 @@ def test_skyrl_data_plane_without_a_key(skyrl_server: Server) -> None:
 
 
 def test_skyrl_control_plane_and_weight_sync_without_a_key(skyrl_server: Server, tmp_path: Path) -> None:
-    new_dir = make_model_dir(tmp_path / "new", seed=11, initializer_range=0.2)
+    # A checkpoint the shared server has not had (test_framework_releases.py pushes seeds 11 and 12).
+    new_dir = make_model_dir(tmp_path / "new", seed=13, initializer_range=0.2)
     new_weights = load_file(new_dir / "model.safetensors")
     names = sorted(new_weights)
     with httpx.Client(base_url=skyrl_server.url, timeout=TIMEOUT_S) as http:

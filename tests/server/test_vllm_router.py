@@ -54,15 +54,16 @@ def _router(engines: list[Server], policy: str, log: Path) -> Iterator[str]:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"vllm-router exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"vllm-router not up:\n{log.read_text()[-3000:]}"
-            time.sleep(0.25)
+        with httpx.Client(timeout=2.0) as http:  # one client for every poll (httpx.get makes one per call)
+            while True:
+                assert proc.poll() is None, f"vllm-router exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                try:
+                    if http.get(url + "/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"vllm-router not up:\n{log.read_text()[-3000:]}"
+                time.sleep(0.05)
         yield url
     finally:
         proc.terminate()

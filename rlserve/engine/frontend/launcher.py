@@ -18,7 +18,6 @@ import types
 from collections.abc import Iterator
 
 from rlserve.config import EngineConfig
-from rlserve.engine.core.main_loop import run_engine_core
 from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address
 from rlserve.engine.wire.backends import registered_backends
 from rlserve.engine.wire.startup import EXIT_PEER_LOST, EXIT_STEP_FAILED, CoreStartup
@@ -46,12 +45,31 @@ def _fork_server_context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def start_fork_server() -> None:
+def start_fork_server() -> bool:
     """Start the fork server now, so that its imports (torch, the model code) run while the caller does its own
-    start-up; the first engine core then forks from it without waiting for them."""
+    start-up; the first engine core then forks from it without waiting for them. False if one was running."""
     _fork_server_context()
+    running = _fork_server_pid() is not None
     with _main_module_hidden():
         multiprocessing.forkserver.ensure_running()
+    return not running
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server now, once every core forked from it has stopped. Left alone it exits only once its
+    imports are done: a command that ended early (a usage error, a model that is not there) kept a process busy for
+    seconds after it exited, and kept the pipes of its output open for as long."""
+    pid = _fork_server_pid()
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # it ignores SIGTERM once it serves (fork_server_preload)
+    with contextlib.suppress(ChildProcessError):
+        multiprocessing.forkserver._forkserver._stop()  # reaps it, closes its pipe, removes its socket
+
+
+def _fork_server_pid() -> int | None:
+    return multiprocessing.forkserver._forkserver._forkserver_pid
 
 
 class CoreProcess:
@@ -68,6 +86,10 @@ class CoreProcess:
     ) -> None:
         """`address`: where the core listens (default: a private ipc socket; tcp:// is what a Ray core on another
         node does). `lockstep_secret`: the one secret of a lockstep group's ranks (dp_lockstep.py)."""
+        # Imported here: it brings torch and the engine (seconds), and `rlserve serve` imports this module to start
+        # the fork server before anything else, so that the fork server's imports run alongside its own.
+        from rlserve.engine.core.main_loop import run_engine_core
+
         self.address = address if address is not None else private_ipc_address()
         self.secret = new_secret()
         context = _fork_server_context()

@@ -19,6 +19,7 @@ from rlserve.engine.sched.request import Request
 from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
+from rlserve.engine.worker.kv_memory import zeroed
 from rlserve.engine.worker.routed_experts import RoutedExpertsRecorder
 from rlserve.engine.worker.sampling_inputs import sampling_metadata
 from rlserve.engine.worker.step_inputs import StepHeader, StepInputs, follower_header, gather_inputs
@@ -142,10 +143,7 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> None:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
             for _ in range(self.spec.num_layers)
         ]
 
