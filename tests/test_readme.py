@@ -233,7 +233,10 @@ def test_quick_start_runs_as_written(readme: str, tmp_path: Path) -> None:
     # What each step printed is what the page says it prints.
     assert (tmp_path / "toy" / "config.json").is_file() and list((tmp_path / "toy").glob("*.safetensors"))
     samples = [json.loads(line) for line in outputs["rlserve generate"].splitlines() if line.startswith("{")]
-    assert len(samples) == 1 and len(samples[0]["token_ids"]) == 8 and len(samples[0]["top_logprobs"][0]) == 2
+    # A random model samples its end-of-text token now and then (which token depends on the CPU's last bits).
+    assert len(samples) == 1 and len(samples[0]["top_logprobs"][0]) == 2
+    tokens = samples[0]["token_ids"]
+    assert len(tokens) == 8 or (0 < len(tokens) < 8 and samples[0]["finish_reason"] == "stop")
     curl = next(out for key, out in outputs.items() if key.startswith("curl "))
     choice = json.loads(curl)["choices"][0]
     assert choice["text"] and choice["token_weight_versions"] and choice["logprobs"]["token_logprobs"]

@@ -279,7 +279,7 @@ def test_api_servers_share_every_rank(start_server) -> None:
     server = start_server("-dp", "2", "--api-server-count", "2")
     children = descendants(server.proc.pid)
     assert len(engine_core_pids(server.proc.pid)) == 2
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4}
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
     # Fresh connections: the kernel spreads them over both API servers, each a client of both cores.
     results = [
         httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60) for _ in range(8)
