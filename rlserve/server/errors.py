@@ -52,11 +52,14 @@ class APIError(Exception):
         cls, exc: ValueError, fields: Collection[str], default: str | None, rename: Mapping[str, str] | None = None
     ) -> APIError:
         """400 for a ValueError from rlserve, whose messages start with the offending field ("temperature must ...",
-        "prompt: ..."); `rename` maps engine names to this request's names (chat's top_logprobs)."""
+        "prompt: ..."); `rename` maps engine names to this request's names (chat's top_logprobs), in `param` and at the
+        message's start."""
         message = str(exc)
         match = re.match(r"(\w+)[: ]", message)
         param = match.group(1) if match and match.group(1) in fields else default
         if param is not None and rename and param in rename:
+            if match and match.group(1) == param:  # the message names the field as this request does
+                message = rename[param] + message[len(param) :]
             param = rename[param]
         return cls(400, message, param)
 

@@ -122,3 +122,15 @@ def test_a_mixed_batch_leaves_the_plain_requests_as_they_are_alone(llm, generate
 def test_bad_values_are_refused_by_name(llm, field, value) -> None:
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         llm.generate(PROMPT, SamplingParams(**{field: value}), use_tqdm=False)
+
+
+def test_bad_words_are_tokenized_once_per_params_object(llm, monkeypatch) -> None:
+    """LLM.generate validates every prompt first; prompts sharing one params object share its tokenized bad words."""
+    from rlserve.engine.frontend import validation
+
+    calls = []
+    tokenize = validation.tokenize_bad_words
+    monkeypatch.setattr(validation, "tokenize_bad_words", lambda tok, p: calls.append(p) or tokenize(tok, p))
+    shared, other = greedy(bad_words=["ab"]), greedy(bad_words=["cd"])
+    outputs = llm.generate(["a", "b", "c", "d"], [shared, shared, other, shared], use_tqdm=False)
+    assert len(outputs) == 4 and len(calls) == 2

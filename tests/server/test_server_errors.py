@@ -126,6 +126,10 @@ def send_bad_inputs(server: Server) -> None:
         assert_error(chat(top_logprobs=1000, logprobs=True), 400, "top_logprobs")
         assert_error(chat(top_logprobs=2), 400, "top_logprobs")
         assert_error(chat(max_completion_tokens=-3), 400, "max_completion_tokens")
+        # The message names the field as the request does (the engine's check says max_tokens).
+        too_long = assert_error(chat(max_completion_tokens=5000), 400, "max_completion_tokens")
+        assert too_long["message"].startswith("max_completion_tokens: this model's maximum context length")
+        assert assert_error(chat(top_logprobs=2), 400, "top_logprobs")["message"].startswith("top_logprobs")
         assert_error(completion(model="another-model"), 404, "model")
 
         assert_error(http.post("/pause", params={"mode": "nap"}), 400, "query.mode")

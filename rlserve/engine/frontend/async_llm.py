@@ -293,13 +293,7 @@ class AsyncLLM(EngineFrontEnd):
         self._bind_loop()
         if self.error is not None:
             raise EngineDeadError(f"the engine failed earlier: {self.error}")
-        if not isinstance(prompt, ValidatedPrompt):
-            prompt = self.validate_prompt(prompt, params or SamplingParams(), lora_request)
-        else:
-            if params is not None and params is not prompt.params:
-                raise ValueError("sampling_params: a validated prompt carries the params it was checked with")
-            if lora_request is not None and lora_request != prompt.lora_request:
-                raise ValueError("lora_request: a validated prompt carries the adapter it was checked with")
+        prompt = self.validator.accept(prompt, params, lora_request)
         for lora in self.loras_to_add([prompt.lora_request]):
             await self.add_lora(lora)
         return prompt

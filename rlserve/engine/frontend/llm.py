@@ -217,9 +217,7 @@ class LLM(EngineFrontEnd):
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
-        validated = [
-            self.validate_prompt(p, params, lora) for p, params, lora in zip(prompts, params_list, loras, strict=True)
-        ]
+        validated = self.validator.validate_each(prompts, params_list, loras)
         if self.client.call("is_sleeping"):
             raise RuntimeError("generate: the engine is asleep; call wake_up() first")
         for lora in self.loras_to_add(loras):

@@ -191,6 +191,19 @@ class RequestValidator:
         the engine's limits: the one check of a request before it is queued."""
         return self._checked(prompt, tokenize_bad_words(self.tokenizer, params), lora_request)
 
+    def accept(
+        self, prompt: PromptType | ValidatedPrompt, params: SamplingParams | None, lora_request: LoRARequest | None
+    ) -> ValidatedPrompt:
+        """A prompt as AsyncLLM.generate takes it: validated here, or already validated (by `validate_prompt`, the
+        server's path), in which case params and adapter, if given, must be the ones it was checked with."""
+        if not isinstance(prompt, ValidatedPrompt):
+            return self.validate_prompt(prompt, params or SamplingParams(), lora_request)
+        if params is not None and params is not prompt.params:
+            raise ValueError("sampling_params: a validated prompt carries the params it was checked with")
+        if lora_request is not None and lora_request != prompt.lora_request:
+            raise ValueError("lora_request: a validated prompt carries the adapter it was checked with")
+        return prompt
+
     def validate_prompts(
         self,
         prompts: Sequence[PromptType],
@@ -213,6 +226,22 @@ class RequestValidator:
             if api_limits:
                 check_context(len(checked.token_ids), checked.params.max_tokens, self.limits.max_model_len)
             validated.append(checked)
+        return validated
+
+    def validate_each(
+        self,
+        prompts: Sequence[PromptType],
+        params_list: Sequence[SamplingParams],
+        lora_requests: Sequence[LoRARequest | None],
+    ) -> list[ValidatedPrompt]:
+        """Each prompt with its own params and adapter (LLM.generate's lists): the bad words of each distinct params
+        object are tokenized once, however many prompts share it."""
+        tokenized: dict[int, SamplingParams] = {}
+        validated: list[ValidatedPrompt] = []
+        for prompt, params, lora_request in zip(prompts, params_list, lora_requests, strict=True):
+            if id(params) not in tokenized:
+                tokenized[id(params)] = tokenize_bad_words(self.tokenizer, params)
+            validated.append(self._checked(prompt, tokenized[id(params)], lora_request))
         return validated
 
     def _checked(self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None) -> ValidatedPrompt:
