@@ -207,7 +207,7 @@ class EngineSide:
         for _ in range(self.reps):
             send_message(self.conn, {"go": True})
             t0 = time.perf_counter()
-            broadcast_buckets(self.engine.group, bufs, sizes)
+            broadcast_buckets(self.engine.model_update_group, bufs, sizes)
             synchronize(self.device)
             raw.append(time.perf_counter() - t0)
         return statistics.median(raw[1:])

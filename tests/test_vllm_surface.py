@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import os
 import re
 import socket
@@ -48,8 +49,14 @@ def fake_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return package
 
 
+# Modules that re-export a package of its own, not installed here: importing them says how to install it.
+OPTIONAL_PACKAGE_MODULES = {"vllm.distributed.weight_transfer.modelexpress_engine": "modelexpress_client/python"}
+
+
 def _table_targets() -> Iterator[tuple[str, str, object]]:
     for path, mapping in MODULES.items():
+        if path in OPTIONAL_PACKAGE_MODULES:
+            continue
         target = mapping.module if isinstance(mapping, Entry) else mapping
         if isinstance(target, str):
             module = importlib.import_module(target)
@@ -76,6 +83,38 @@ def test_every_table_name_is_rlserves_own_object(surface: None) -> None:
 
     assert vllm.__version__ == vllm_surface.VLLM_VERSION
     assert vllm.LLM.__module__ == "rlserve.engine.frontend.llm"
+
+
+def test_an_optional_backend_module_says_how_to_install_its_package(surface: None) -> None:
+    from rlserve.weight_transfer import WeightTransferEngineFactory
+
+    for path, install_hint in OPTIONAL_PACKAGE_MODULES.items():
+        spec = importlib.util.find_spec(path)
+        assert spec is not None and spec.origin is not None and Path(spec.origin).is_file()  # rlserve's module
+        with pytest.raises(ImportError, match=re.escape(install_hint)):
+            importlib.import_module(path)
+    with pytest.raises(ImportError, match="modelexpress_client/python"):  # registered, imported when asked for
+        WeightTransferEngineFactory.get_engine_cls("modelexpress")
+
+
+def test_a_name_patched_on_a_vllm_module_reaches_rlserves_code_and_is_restored(
+    surface: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's tests replace a module's function (`open_trainer_endpoint`) to run a trainer engine without a peer:
+    rlserve's trainer engine, which calls the function as a global of its own module, sees the replacement."""
+    from vllm.distributed.weight_transfer import nccl_engine
+
+    from rlserve.weight_transfer import nccl_trainer
+
+    original = nccl_trainer.open_trainer_endpoint
+    opened: list[object] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: opened.append(info) or "group")
+        engine = nccl_trainer.NCCLTrainerWeightTransferEngine(client=object(), source=None)
+        engine._open_trainer_endpoint("info")
+        assert (opened, engine.model_update_group) == (["info"], "group")
+    assert nccl_trainer.open_trainer_endpoint is original
+    assert nccl_engine.open_trainer_endpoint is original
 
 
 def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:

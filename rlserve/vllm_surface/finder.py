@@ -11,6 +11,11 @@ import name ... (unknown location)") would replace it. That error is a ModuleNot
 module is (`except ModuleNotFoundError` fallbacks work), whose `name` is None: with the missing path there, the
 import system would take it for the absent submodule of a `from` import and replace the message all the same.
 
+A name set on a vLLM module from outside (a test's `monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", ...)`)
+is set wherever rlserve's modules bind the object it replaces, so rlserve's code, which looks it up as a global of its
+own module, calls the replacement, as vLLM's code would (`_SurfaceModule`). The spec of a module the table maps to an
+rlserve module names that module's file as its origin.
+
 The finder goes last on `sys.meta_path`: a real vLLM that appears on `sys.path` later wins over it rather than being
 shadowed (and `install` refuses while one is importable).
 """
@@ -93,12 +98,36 @@ class _Names:
         return _resolve(target)
 
 
+class _SurfaceModule(types.ModuleType):
+    """A vLLM module of the surface: setting one of its names rebinds, in every rlserve module, the names bound to
+    the object it replaces (and setting it back restores them), so a patch reaches the code that uses the name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("__"):
+            try:
+                replaced = getattr(self, name)
+            except AttributeError:
+                replaced = _UNSET
+            if replaced is not _UNSET:
+                _rebind_in_rlserve(name, replaced, value)
+        super().__setattr__(name, value)
+
+
+_UNSET = object()
+
+
+def _rebind_in_rlserve(name: str, replaced: Any, value: Any) -> None:
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".", 1)[0] == "rlserve" and vars(module).get(name, _UNSET) is replaced:
+            setattr(module, name, value)
+
+
 def _populate(module: types.ModuleType, names: _Names) -> None:
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):  # the import system's and tools' probes (__file__, __wrapped__...)
             raise AttributeError(f"module {names.path!r} has no attribute {name!r}")
         value = names.resolve(name)
-        setattr(module, name, value)  # later lookups find it without this function
+        vars(module)[name] = value  # later lookups find it without this function (not a patch: no rebinding)
         return value
 
     def __dir__() -> list[str]:
@@ -123,13 +152,13 @@ class VllmSurfaceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if isinstance(MODULES.get(fullname), Entry):
             return importlib.machinery.ModuleSpec(fullname, self, origin=f"rlserve vllm surface: {fullname}")
         if fullname in MODULES or fullname in PACKAGES:
-            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            spec = importlib.machinery.ModuleSpec(fullname, self, origin=_origin(fullname), is_package=True)
             spec.submodule_search_locations = []
             return spec
         raise VllmNotProvidedError(not_provided(fullname))
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None  # the default module object
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _SurfaceModule(spec.name)
 
     def exec_module(self, module: types.ModuleType) -> None:
         _populate(module, _Names(module.__name__))
@@ -146,6 +175,15 @@ class VllmSurfaceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def is_package(self, fullname: str) -> bool:
         return not isinstance(MODULES.get(fullname), Entry)
+
+
+def _origin(fullname: str) -> str | None:
+    """The file of the rlserve module the table maps `fullname` to (found, not imported), else None."""
+    target = MODULES.get(fullname)
+    if not isinstance(target, str):
+        return None
+    spec = importlib.util.find_spec(target)
+    return spec.origin if spec is not None else None
 
 
 _FINDER = VllmSurfaceFinder()

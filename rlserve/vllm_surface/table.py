@@ -87,6 +87,7 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.distributed.weight_transfer.clients": "rlserve.distributed.weight_transfer.clients",
     "vllm.distributed.weight_transfer.factory": "rlserve.distributed.weight_transfer.factory",
     "vllm.distributed.weight_transfer.ipc_engine": "rlserve.distributed.weight_transfer.ipc_engine",
+    "vllm.distributed.weight_transfer.modelexpress_engine": "rlserve.distributed.weight_transfer.modelexpress_engine",
     "vllm.distributed.weight_transfer.nccl_common": "rlserve.distributed.weight_transfer.nccl_common",
     "vllm.distributed.weight_transfer.nccl_engine": "rlserve.distributed.weight_transfer.nccl_engine",
     "vllm.distributed.weight_transfer.packed_tensor": "rlserve.distributed.weight_transfer.packed_tensor",

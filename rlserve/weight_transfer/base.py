@@ -111,6 +111,14 @@ class VllmConfigLike:
     model_config: Any = None
 
 
+def current_device() -> torch.device:
+    """The current accelerator device, where vLLM places what it builds without a device; without one, the CPU
+    (rlserve's weight transfer runs over gloo there)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class WeightUpdateRefused(ValueError):
     """Raised by `receive_weights` when it refused the update after taking delivery but before writing any of it
     (a sparse index out of bounds, say): the engine then knows the model is unchanged."""
@@ -128,8 +136,9 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
 
     - vLLM 0.33: `__init__(config, vllm_config, device, model)` and `receive_weights(update_info)`, which loads into
       the engine-owned `self.model` (its `load_weights`, or in place);
-    - vLLM 0.24: `__init__(config, device)` and `receive_weights(update_info, load_weights)`, which hands tensors to
-      the engine's loader.
+    - vLLM 0.24: `receive_weights(update_info, load_weights)`, which hands tensors to the engine's loader; built as
+      `__init__(config, device)`, or as vLLM 0.24.0 builds it, `__init__(config, parallel_config, model)` (on this
+      process's current device).
 
     The factory and the engine tell them apart by signature (a constructor parameter named `model`, a
     `receive_weights` with a second parameter). The engine calls, in order: `parse_init_info` +
@@ -164,6 +173,8 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
     ) -> None:
         if device is None and isinstance(vllm_config, torch.device | str):  # the 0.24 call: (config, device)
             vllm_config, device = None, vllm_config
+        elif isinstance(device, torch.nn.Module) and model is None:  # 0.24.0's (config, parallel_config, model)
+            vllm_config, device, model = VllmConfigLike(vllm_config), current_device(), device
         if device is None:
             raise TypeError(f"{type(self).__name__}: `device` is required")
         self.config = config
@@ -227,6 +238,21 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         `load_weights` parameter) or through `load_weights`, possibly in several calls (0.24 shape). Returns once
         every tensor is in; raises one of TRAINER_LOST if the trainer is gone or silent for longer than the backend
         waits."""
+
+    def receive_sparse_weights(self, update_info: TUpdateInfo, apply_patches: Callable[..., None]) -> None:
+        """vLLM 0.24's sparse receive on a dense backend: refused (rlserve's sparse updates are the `sparse_nccl`
+        backend's, vLLM 0.33's form)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support sparse weight updates: use the sparse_nccl backend"
+        )
+
+    @staticmethod
+    def trainer_send_sparse_weights(iterator: Iterator[Any], trainer_args: Any) -> None:
+        """vLLM 0.24's trainer-side sparse send: refused, as `receive_sparse_weights` is."""
+        raise NotImplementedError(
+            "Sparse weight updates are not supported by this backend's 0.24 API: use the sparse_nccl backend's "
+            "SparseNCCLTrainerWeightTransferEngine"
+        )
 
     def discard_weights(self, update_info: TUpdateInfo) -> None:
         """Take delivery of the update described by `update_info` and drop it: called instead of `receive_weights`

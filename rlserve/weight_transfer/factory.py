@@ -13,10 +13,9 @@ from typing import Any, ClassVar
 import torch
 
 from rlserve.config import WeightTransferConfig
-from rlserve.weight_transfer.base import ParallelConfigLike, VllmConfigLike, WeightTransferEngine
+from rlserve.weight_transfer.base import ParallelConfigLike, VllmConfigLike, WeightTransferEngine, current_device
 from rlserve.weight_transfer.source import WeightSource
 from rlserve.weight_transfer.trainer import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
-from rlserve.weight_transfer.vllm_sender import current_device
 
 EngineLoader = Callable[[], type[WeightTransferEngine]]
 SCRIPT_MODULE_PREFIX = "_rlserve_script_"  # the module names of backends loaded from a script's path
@@ -182,6 +181,10 @@ WeightTransferEngineFactory.register_engine("ipc", "rlserve.weight_transfer.ipc"
 WeightTransferEngineFactory.register_engine(
     "sparse_nccl", "rlserve.weight_transfer.sparse_nccl", "SparseNCCLWeightTransferEngine"
 )
+# ModelExpress's backend (its own package; vLLM registers it the same way): imported only when asked for.
+WeightTransferEngineFactory.register_engine(
+    "modelexpress", "rlserve.distributed.weight_transfer.modelexpress_engine", "ModelExpressWeightTransferEngine"
+)
 # The receivers of prime-rl's and PipelineRL's trainers (their framework routes name them).
 WeightTransferEngineFactory.register_engine(
     "prime_rl", "rlserve.weight_transfer.framework_backends", "PrimeRLBroadcastEngine"
@@ -190,7 +193,9 @@ WeightTransferEngineFactory.register_engine(
     "pipelinerl", "rlserve.weight_transfer.framework_backends", "PipelineRLBroadcastEngine"
 )
 
-WeightTransferTrainerFactory.register_engine("nccl", "rlserve.weight_transfer.nccl", "NCCLTrainerWeightTransferEngine")
+WeightTransferTrainerFactory.register_engine(
+    "nccl", "rlserve.weight_transfer.nccl_trainer", "NCCLTrainerWeightTransferEngine"
+)
 WeightTransferTrainerFactory.register_engine("ipc", "rlserve.weight_transfer.ipc", "IPCTrainerWeightTransferEngine")
 WeightTransferTrainerFactory.register_engine(
     "sparse_nccl", "rlserve.weight_transfer.sparse_nccl", "SparseNCCLTrainerWeightTransferEngine"

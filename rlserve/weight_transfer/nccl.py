@@ -25,15 +25,14 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from rlserve.config import WeightTransferConfig
-from rlserve.dtypes import dtype_name
 from rlserve.weight_transfer.base import (
     LoadWeightsFn,
     WeightTransferEngine,
@@ -43,17 +42,7 @@ from rlserve.weight_transfer.base import (
 from rlserve.weight_transfer.nccl_library import NCCL_UNIQUE_ID_BYTES
 from rlserve.weight_transfer.packed import PackedReceiver, PackedSender, as_bytes, tensor_metas
 from rlserve.weight_transfer.pynccl import PyNcclCommunicator, Work
-from rlserve.weight_transfer.source import ParamMeta, WeightSource
 from rlserve.weight_transfer.stateless_group import StatelessProcessGroup, connect_store
-from rlserve.weight_transfer.trainer import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    check_single_sender,
-    checked_iter,
-    run_trainer_rendezvous,
-    send_with_update,
-)
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 DEFAULT_PACKED_NUM_BUFFERS = 2
@@ -130,11 +119,12 @@ class WeightTransferGroup:
         return cls(dist.PrefixStore(str(generation), store), rank, world_size, timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
-        """Start an in-place broadcast of a contiguous tensor from rank `src`; returns its Work (wait() on it)."""
+        """Start an in-place broadcast of a contiguous tensor from rank `src`; returns its Work (wait() on it). It
+        travels as bytes: the same on the wire, and gloo has no bfloat16 or float8 type."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        return self._backend(tensor.device).broadcast([tensor], opts)
+        return self._backend(tensor.device).broadcast([as_bytes(tensor)], opts)
 
     def _backend(self, device: torch.device) -> _Backend:
         kind = device.type
@@ -161,6 +151,10 @@ class WeightTransferGroup:
                 f"weight-transfer ranks disagree on the device type of the tensors (rank: type) {kinds}; the trainer "
                 "must send tensors on the same kind of device (cuda or cpu) as the engine receives into"
             )
+
+    def destroy(self) -> None:
+        """vLLM's name (its group's, `PyNcclCommunicator.destroy`), which the engines call: `shutdown`."""
+        self.shutdown()
 
     def shutdown(self) -> None:
         # abort, not shutdown: NCCL's graceful destroy waits for every rank to destroy too, so an engine shutting
@@ -238,9 +232,14 @@ class NCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     packed: bool = False
     packed_buffer_size_bytes: int | None = None
     packed_num_buffers: int | None = None
+    # vLLM 0.24's sparse form on this backend: parsed and checked as 0.24 does, refused by the engine (rlserve's sparse
+    # updates travel over the `sparse_nccl` backend, vLLM 0.33's form).
+    update_kind: str = field(default="dense", kw_only=True)
+    num_updates_list: list[int] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_update_kind(self.update_kind, self.num_updates_list, len(self.names), self.packed)
         if self.packed_buffer_size_bytes is not None and self.packed_buffer_size_bytes < 1:
             raise ValueError(f"packed_buffer_size_bytes must be >= 1, got {self.packed_buffer_size_bytes}")
         if self.packed_num_buffers is not None and self.packed_num_buffers < 1:
@@ -260,6 +259,28 @@ class NCCLTrainerSendWeightsArgs:
     stream: torch.cuda.Stream | None = None
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+
+def _check_update_kind(kind: str, num_updates_list: list[int] | None, count: int, packed: bool) -> None:
+    """vLLM 0.24's checks of an update's `update_kind` and its sparse metadata, with its messages."""
+    if kind not in ("dense", "sparse_flat"):
+        raise ValueError(f"Unsupported update_kind: {kind}")
+    if kind == "dense":
+        if num_updates_list is not None:
+            raise ValueError("Sparse metadata is only supported for `update_kind='sparse_flat'`")
+        return
+    if num_updates_list is None:
+        raise ValueError("`num_updates_list` is required for sparse updates")
+    if not num_updates_list:
+        raise ValueError("`num_updates_list` cannot be empty for sparse updates")
+    if any(n < 0 for n in num_updates_list):
+        raise ValueError("Sparse `num_updates_list` entries must be non-negative")
+    if len(num_updates_list) != count:
+        raise ValueError(
+            f"`num_updates_list` should be of the same size as `names`: got {len(num_updates_list)} and {count}"
+        )
+    if packed:
+        raise ValueError("`update_kind='sparse_flat'` cannot be combined with `packed=True`")
 
 
 def _discard(_: list[tuple[str, torch.Tensor]]) -> None:
@@ -284,24 +305,34 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self.worker_index = worker_index
         self.timeout_s = timeout_s
-        self._group: TransferGroup | None = None
-        self._init_info: NCCLWeightTransferInitInfo | None = None
+        self.model_update_group: TransferGroup | None = None  # joined by init_transfer_engine
+        # The wire parameters, from the trainer's init_info at the handshake (vLLM 0.33; 0.24's per-update ones win)
+        self.packed = False
+        self.packed_buffer_size_bytes = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+        self.packed_num_buffers = DEFAULT_PACKED_NUM_BUFFERS
         self._last_metadata: tuple[list[str], list[str], list[list[int]]] | None = None
         self._receiver = PackedReceiver()  # its CUDA streams serve every update, across re-inits
-
-    @property
-    def group(self) -> TransferGroup | None:
-        """The group joined by `init_transfer_engine` (None before it)."""
-        return self._group
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         """Joins the trainer's group; blocks until the trainer (rank 0) has called `trainer_init`."""
         self.shutdown()  # a second init (new trainer run) replaces the old group
-        self._group = join_worker_group(init_info, self.worker_index, self.timeout_s, self.device)
-        self._init_info = init_info
+        self.model_update_group = join_worker_group(init_info, self.worker_index, self.timeout_s, self.device)
+        self.packed = init_info.packed
+        self.packed_buffer_size_bytes = init_info.packed_buffer_size_bytes
+        self.packed_num_buffers = init_info.packed_num_buffers
 
     def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
         return check_unique_id_device(super().parse_init_info(init_info), self.device)
+
+    def parse_update_info(self, update_info: dict[str, Any]) -> NCCLWeightTransferUpdateInfo:
+        info = super().parse_update_info(update_info)
+        if info.update_kind != "dense":
+            raise ValueError(
+                f"Invalid update_info for {type(self).__name__}: update_kind={info.update_kind!r}: the nccl backend "
+                "receives dense updates; send sparse patches over the sparse_nccl backend "
+                "(WeightTransferConfig(backend='sparse_nccl'), vLLM 0.33's form)"
+            )
+        return info
 
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
         self._receive(update_info, load_weights)
@@ -310,8 +341,8 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         self._receive(update_info, _discard)
 
     def _receive(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
-        group, init = self._group, self._init_info
-        if group is None or init is None:
+        group = self.model_update_group
+        if group is None:
             raise self._not_initialized()
         if update_info.names:
             self._last_metadata = (update_info.names, update_info.dtype_names, update_info.shapes)
@@ -322,17 +353,16 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             tensor_metas(update_info),
             lambda tensor: receive_broadcast(group, tensor, self.timeout_s),
             load_weights,
-            _first_set(update_info.packed_buffer_size_bytes, init.packed_buffer_size_bytes),
-            _first_set(update_info.packed_num_buffers, init.packed_num_buffers),
+            _first_set(update_info.packed_buffer_size_bytes, self.packed_buffer_size_bytes),
+            _first_set(update_info.packed_num_buffers, self.packed_num_buffers),
             self.device,
-            packed=update_info.packed or init.packed,
+            packed=update_info.packed or self.packed,
         )
 
     def shutdown(self) -> None:
-        if self._group is not None:
-            self._group.shutdown()
-        self._group = None
-        self._init_info = None
+        if self.model_update_group is not None:
+            self.model_update_group.destroy()
+            self.model_update_group = None
         self._last_metadata = None
 
     @staticmethod
@@ -373,7 +403,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
         for item in iterator:
             tensor = post(item)
             if not tensor.is_cuda:
-                group.broadcast(as_bytes(tensor), src=args.src).wait()
+                group.broadcast(tensor.contiguous(), src=args.src).wait()
                 continue
             current = torch.cuda.current_stream(tensor.device)
             stream = args.stream or current
@@ -383,7 +413,7 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
                 stream.wait_stream(current)
                 tensor.record_stream(stream)
             with torch.cuda.stream(stream):
-                group.broadcast(as_bytes(tensor), src=args.src).wait()  # on CUDA a stream wait, not a host wait
+                group.broadcast(tensor.contiguous(), src=args.src).wait()  # on CUDA a stream wait, not a host wait
             last_stream = stream
         if last_stream is not None:
             last_stream.synchronize()
@@ -447,7 +477,7 @@ class VLLMWireGroup:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
         return self.communicator.broadcast_async(tensor, src)
 
-    def shutdown(self) -> None:
+    def destroy(self) -> None:
         self.communicator.destroy()
 
 
@@ -493,108 +523,3 @@ def _rendezvous_timeout(
 
 def _first_set(value: int | None, default: int) -> int:
     return default if value is None else value
-
-
-# --- Trainer side, vLLM 0.33 ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class NCCLTrainerInitInfo(TrainerInitInfo):
-    """The trainer's rendezvous: it serves the store at `master_address:master_port` as rank 0 of a group of
-    `world_size` (trainer + every engine worker). `packed` and the buffer geometry are the wire parameters, handed to
-    the engine at the handshake so the two sides cannot disagree (packed by default, as vLLM 0.33's trainer).
-    `timeout_s` (rlserve's): how long the rendezvous and each broadcast wait for the engine."""
-
-    backend: ClassVar[str] = "nccl"
-
-    master_address: str
-    master_port: int
-    world_size: int
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-    def worker_init_info(self) -> dict[str, Any]:
-        """The engine's init_info: its workers take the ranks after the trainer's."""
-        info = NCCLWeightTransferInitInfo(
-            master_address=self.master_address, master_port=self.master_port, world_size=self.world_size,
-            rank_offset=1, packed=self.packed, packed_buffer_size_bytes=self.packed_buffer_size_bytes,
-            packed_num_buffers=self.packed_num_buffers,
-        )  # fmt: skip
-        return {k: v for k, v in asdict(info).items() if v is not None}
-
-    def open_group(self) -> WeightTransferGroup:
-        return WeightTransferGroup.create(self.master_address, self.master_port, 0, self.world_size, self.timeout_s)
-
-
-class NCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[NCCLTrainerInitInfo]):
-    """Broadcasts the whole `WeightSource` from rank 0 every round, the engine's `update_weights` receiving
-    concurrently. Non-sender ranks iterate the source only, to join the gathers of sharded parameters."""
-
-    init_info_cls = NCCLTrainerInitInfo
-
-    def __init__(
-        self,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource,
-        init_info: NCCLTrainerInitInfo,
-    ) -> None:
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
-        self.init_info = init_info
-        self.group: WeightTransferGroup | None = None
-        self._sent_meta: list[ParamMeta] | None = None  # the engine reuses metadata it already has
-
-    @classmethod
-    def trainer_init(
-        cls, init_info: NCCLTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
-    ) -> NCCLTrainerWeightTransferEngine:
-        if source is None or not source.implements_iter_full():
-            raise ValueError("the nccl trainer engine sends full tensors: it requires a WeightSource with iter_full()")
-        check_single_sender(source)
-        engine = cls(client=client, source=source, init_info=init_info)
-        if engine.is_sender:
-            payload = init_info.worker_init_info()
-
-            def open_group() -> None:
-                engine.group = init_info.open_group()
-
-            run_trainer_rendezvous(
-                init_worker=lambda: client.init_weight_transfer_engine(payload), init_trainer=open_group
-            )
-        return engine
-
-    def send_weights(self) -> None:
-        assert self.source is not None
-        meta = self.source.metadata
-        if not self.is_sender:
-            for _ in self.source.iter_full():  # the gathers of sharded parameters need every owner
-                pass
-            return
-        if self.group is None:
-            raise RuntimeError("send_weights after shutdown(): call trainer_init again")
-        info = self.init_info
-        update_info: dict[str, Any] = {}
-        if meta != self._sent_meta:
-            update_info = {
-                "names": [m.name for m in meta],
-                "dtype_names": [dtype_name(m.dtype) for m in meta],
-                "shapes": [list(m.shape) for m in meta],
-            }
-        args = NCCLTrainerSendWeightsArgs(
-            group=self.group, packed=info.packed, packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers,
-        )  # fmt: skip
-        self.client.start_weight_update()
-        send_with_update(
-            lambda: self.client.update_weights(update_info),
-            lambda: NCCLWeightTransferEngine.trainer_send_weights(checked_iter(self.source, meta), args),
-        )
-        self.client.finish_weight_update()
-        self._sent_meta = meta
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None

@@ -44,6 +44,7 @@ from rlserve.weight_transfer.nccl import (
     join_worker_group,
     receive_broadcast,
 )
+from rlserve.weight_transfer.nccl_trainer import build_worker_init_payload, open_trainer_endpoint
 from rlserve.weight_transfer.source import WeightSource
 from rlserve.weight_transfer.trainer import (
     TrainerInitInfo,
@@ -144,7 +145,7 @@ class SparseNCCLWeightTransferEngine(
     ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.timeout_s = timeout_s
-        self._group: TransferGroup | None = None
+        self.model_update_group: TransferGroup | None = None
 
     def parse_init_info(self, init_info: dict[str, Any]) -> NCCLWeightTransferInitInfo:
         tp = getattr(self.model, "tp", None)
@@ -166,7 +167,7 @@ class SparseNCCLWeightTransferEngine(
         self.shutdown()
         parallel = self.parallel_config
         index = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        self._group = join_worker_group(init_info, index, self.timeout_s, self.device)
+        self.model_update_group = join_worker_group(init_info, index, self.timeout_s, self.device)
 
     def receive_weights(self, update_info: SparseNCCLWeightTransferUpdateInfo) -> None:
         patches = self._receive_patches(update_info)
@@ -184,7 +185,7 @@ class SparseNCCLWeightTransferEngine(
         self._receive_patches(update_info)
 
     def _receive_patches(self, update_info: SparseNCCLWeightTransferUpdateInfo) -> list[SparseWeightPatch]:
-        group = self._group
+        group = self.model_update_group
         if group is None:
             raise self._not_initialized()
         patches, works = [], []
@@ -229,9 +230,9 @@ class SparseNCCLWeightTransferEngine(
         return writes
 
     def shutdown(self) -> None:
-        if self._group is not None:
-            self._group.shutdown()
-        self._group = None
+        if self.model_update_group is not None:
+            self.model_update_group.destroy()
+            self.model_update_group = None
 
 
 def _check_bounds(patches: list[tuple[int, SparseWeightPatch]]) -> None:
@@ -361,36 +362,36 @@ class SparseNCCLTrainerInitInfo(TrainerInitInfo):
 
 class SparseNCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparseNCCLTrainerInitInfo]):
     """Broadcasts each round's patches from rank 0 while the engine's `update_weights` receives them. Takes no
-    `WeightSource`: patches differ every round (see `SparseDelta`). An empty round sends nothing."""
+    `WeightSource`: patches differ every round (see `SparseDelta`). An empty round sends nothing. Its parts keep
+    vLLM's names, as `NCCLTrainerWeightTransferEngine`'s do (`model_update_group`, `open_trainer_endpoint`)."""
 
     init_info_cls = SparseNCCLTrainerInitInfo
 
-    def __init__(self, *, client: VLLMWeightSyncClient, init_info: SparseNCCLTrainerInitInfo) -> None:
-        super().__init__(client=client, is_sender=init_info.is_sender, rank=init_info.rank)
-        self.group: WeightTransferGroup | None = None
+    def __init__(
+        self, *, client: VLLMWeightSyncClient, source: WeightSource | None = None, is_sender: bool = True
+    ) -> None:
+        if source is not None:  # a delta backend: a source would silently never be sent
+            raise ValueError(
+                "Sparse NCCL weight transfer takes no WeightSource; pass each round's patches to send_weights(patches)"
+            )
+        super().__init__(client=client, is_sender=is_sender)
+        self.model_update_group: WeightTransferGroup | None = None
+
+    @classmethod
+    def _build_worker_init_payload(cls, init_info: SparseNCCLTrainerInitInfo) -> dict[str, Any]:
+        return build_worker_init_payload(init_info)
 
     @classmethod
     def trainer_init(
         cls, init_info: SparseNCCLTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
     ) -> SparseNCCLTrainerWeightTransferEngine:
-        if source is not None:
-            raise ValueError("sparse_nccl takes no WeightSource: pass each round's patches to send_weights(patches)")
-        engine = cls(client=client, init_info=init_info)
-        if not engine.is_sender:
-            return engine
-        worker = {
-            "master_address": init_info.master_address,
-            "master_port": init_info.master_port,
-            "world_size": init_info.world_size,
-            "rank_offset": 1,
-        }
-
-        def open_group() -> None:
-            engine.group = WeightTransferGroup.create(
-                init_info.master_address, init_info.master_port, 0, init_info.world_size, init_info.timeout_s
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if engine.is_sender:
+            payload = cls._build_worker_init_payload(init_info)
+            run_trainer_rendezvous(
+                init_worker=lambda: client.init_weight_transfer_engine(payload),
+                init_trainer=lambda: setattr(engine, "model_update_group", open_trainer_endpoint(init_info)),
             )
-
-        run_trainer_rendezvous(init_worker=lambda: client.init_weight_transfer_engine(worker), init_trainer=open_group)
         return engine
 
     def send_weights(self, patches: Iterable[SparseWeightPatch] | None = None) -> None:
@@ -411,17 +412,25 @@ class SparseNCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparseNC
         if not self.is_sender:
             return []
         prepared = list(patches or [])
-        if prepared and self.group is None:
-            raise RuntimeError("send_weights after shutdown(): call trainer_init again")
+        if prepared and self.model_update_group is None:
+            raise RuntimeError("send_weights before trainer_init() or after shutdown(): call trainer_init")
         for p in prepared:
-            if p.indices.dtype != INDEX_DTYPE or p.indices.ndim != 1 or p.values.ndim != 1:
-                raise ValueError(f"sparse patch {p.name!r}: indices must be 1-D int32 and values 1-D")
+            # vLLM's checks and messages, before any call reaches the engine
+            if p.full_shape is None:
+                raise ValueError(f"Sparse patch requires full_shape: {p.name}")
+            if p.indices.dtype != INDEX_DTYPE:
+                raise ValueError(f"Sparse weight updates require int32 indices: {p.name}")
+            if p.indices.ndim != 1 or p.values.ndim != 1:
+                raise ValueError(f"Sparse weight patches must be 1D flattened updates: {p.name}")
             if p.indices.numel() != p.values.numel():
-                raise ValueError(f"sparse patch {p.name!r}: {p.indices.numel()} indices for {p.values.numel()} values")
+                raise ValueError(
+                    f"`indices` and `values` must have matching lengths for {p.name}: {p.indices.numel()} indices, "
+                    f"{p.values.numel()} values"
+                )
         return prepared
 
     def _broadcast(self, patches: list[SparseWeightPatch]) -> None:
-        group = self.group
+        group = self.model_update_group
         assert group is not None
         update_info = _patch_metadata(patches)
 
@@ -440,6 +449,6 @@ class SparseNCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[SparseNC
         send_with_update(lambda: self.client.update_weights(update_info), send)
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
+        if self.model_update_group is not None:
+            self.model_update_group.destroy()
+            self.model_update_group = None

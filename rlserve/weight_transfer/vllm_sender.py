@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rlserve.weight_transfer.base import current_device
 from rlserve.weight_transfer.nccl import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from rlserve.weight_transfer.pynccl import PyNcclCommunicator
 from rlserve.weight_transfer.stateless_group import DEFAULT_STORE_TIMEOUT_S, StatelessProcessGroup
@@ -39,13 +40,6 @@ def _rendezvous(init_info: Any) -> tuple[str, int, int]:
     if world_size < 2:
         raise ValueError(f"trainer_init: world_size {world_size} leaves no rank for an engine worker")
     return address, port, world_size
-
-
-def current_device() -> torch.device:
-    """vLLM's trainer helpers work on the current accelerator device; without one, rlserve's on the CPU (gloo)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def trainer_init(init_info: Any, rank: int = 0, *, timeout_s: float = DEFAULT_STORE_TIMEOUT_S) -> PyNcclCommunicator:

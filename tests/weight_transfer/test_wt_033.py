@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +30,16 @@ from rlserve.distributed.weight_transfer import (
     WeightTransferEngineFactory,
     WeightTransferTrainerFactory,
 )
-from rlserve.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-from rlserve.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLTrainerInitInfo, SparseWeightPatch
+from rlserve.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+from rlserve.distributed.weight_transfer.sparse_nccl_engine import (
+    SparseNCCLTrainerInitInfo,
+    SparseNCCLTrainerWeightTransferEngine,
+    SparseWeightPatch,
+)
 from rlserve.rl.engine_server import free_port
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
+from rlserve.weight_transfer.base import ParallelConfigLike, current_device
 from rlserve.weight_transfer.sparse_nccl import SparseDelta
 
 TIMEOUT_S = 60.0
@@ -153,6 +159,88 @@ def test_engine_side_class_shapes_of_both_generations() -> None:
     got: list = []
     old.receive(None, got.extend)
     assert got[0][0] == "w"
+
+
+def test_an_engine_built_as_vllm_0240_builds_it() -> None:
+    """0.24.0's `Engine(config, parallel_config, model)`: placed by the parallel config, on the current device."""
+    parallel = ParallelConfigLike(rank=1, world_size=2, data_parallel_index=1)
+    engine = V024Backend(WeightTransferConfig(f"{__name__}:V024Backend"), parallel, model := _Into())
+    assert (engine.parallel_config, engine.model, engine.device) == (parallel, model, current_device())
+    with pytest.raises(NotImplementedError, match="does not support sparse weight updates"):
+        engine.receive_sparse_weights(None, lambda patches: None)
+
+
+def test_the_dense_backend_checks_and_refuses_0_24s_sparse_form_by_name() -> None:
+    engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig("nccl"), CPU, model=_Into())
+    dense = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[3]]}
+    sparse = {"update_kind": "sparse_flat", "num_updates_list": [1]}
+    checks = {
+        "`num_updates_list` is required": {"update_kind": "sparse_flat"},
+        "Sparse metadata is only supported": {"num_updates_list": [1]},
+        "cannot be combined with `packed=True`": {**sparse, "packed": True},
+        "update_kind='sparse_flat': the nccl backend receives dense updates": sparse,
+    }
+    for message, fields in checks.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.parse_update_info({**dense, **fields})
+
+
+class _RecordingClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.calls.append(("start", None))
+
+    def update_weights(self, update_info) -> None:
+        self.calls.append(("update", update_info))
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_trainer_engine_hooks_a_subclass_overrides_run_on_the_sender_only(rank: int) -> None:
+    """vLLM 0.33's extension points: `_build_worker_init_payload` (what the engine is sent) and
+    `_open_trainer_endpoint` (the trainer's end of the group), both on the sender alone."""
+    group = object()
+
+    class Trainer(NCCLTrainerWeightTransferEngine):
+        @classmethod
+        def _build_worker_init_payload(cls, init_info):
+            return {**super()._build_worker_init_payload(init_info), "master_port": init_info.master_port + 1}
+
+        def _open_trainer_endpoint(self, init_info) -> None:
+            self.model_update_group = group
+
+    client = _RecordingClient()
+    info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=29500, world_size=2, rank=rank, packed=False)
+    engine = Trainer.trainer_init(info, client=client, source=ModuleSource(_Into()))
+    expected_init = {"master_address": "127.0.0.1", "master_port": 29501, "world_size": 2, "rank_offset": 1}
+    expected_init |= {"packed": False, "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}
+    assert (client.calls, engine.model_update_group) == (
+        ([("init", expected_init)], group) if rank == 0 else ([], None)
+    )
+
+
+def test_sparse_trainer_refuses_a_malformed_patch_before_any_call() -> None:
+    engine = SparseNCCLTrainerWeightTransferEngine(client=(client := _RecordingClient()))
+    engine.model_update_group = object()  # never reached
+    w = torch.tensor([1.0])
+    bad = {
+        "requires full_shape": SparseWeightPatch("w", torch.tensor([0], dtype=torch.int32), w, None),
+        "require int32 indices": SparseWeightPatch("w", torch.tensor([0]), w, (1,)),
+        "must have matching lengths": SparseWeightPatch("w", torch.tensor([0, 1], dtype=torch.int32), w, (2,)),
+    }
+    for message, patch in bad.items():
+        with pytest.raises(ValueError, match=message):
+            engine.send_weights([patch])
+    with pytest.raises(ValueError, match="takes no WeightSource"):
+        SparseNCCLTrainerWeightTransferEngine(client=client, source=ModuleSource(_Into()))
+    assert client.calls == []
 
 
 def test_nccl_unique_id_needs_nccl_and_is_validated_by_name() -> None:

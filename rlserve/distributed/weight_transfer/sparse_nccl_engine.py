@@ -1,5 +1,6 @@
 """`vllm.distributed.weight_transfer.sparse_nccl_engine` (0.33)."""
 
+from rlserve.weight_transfer.nccl_trainer import open_trainer_endpoint
 from rlserve.weight_transfer.sparse_nccl import (
     SparseNCCLTrainerInitInfo,
     SparseNCCLTrainerWeightTransferEngine,
@@ -14,4 +15,5 @@ __all__ = [
     "SparseNCCLWeightTransferEngine",
     "SparseNCCLWeightTransferUpdateInfo",
     "SparseWeightPatch",
+    "open_trainer_endpoint",
 ]
