@@ -102,10 +102,14 @@ def _post(http: httpx.Client, path: str, body: dict[str, Any], status: int = 200
     return response.text
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
 @pytest.fixture(scope="module")
-def responses(server: Server) -> Responses:
+def responses(server: Server, reasoning_server: Server) -> Responses:
     """Each route's answers with the fields the frameworks ask for: logprobs and their top candidates, prompt
-    logprobs, token ids, vLLM's weight-version spans and rlserve's per-token versions, streamed and not."""
+    logprobs, token ids, vLLM's weight-version spans and rlserve's per-token versions, streamed and not; and chat's
+    reasoning and tool calls (conftest's `reasoning_server`, whose model writes a thought and a call)."""
     collected = Responses()
     versions = {"return_weight_versions": True, "return_token_weight_versions": True}
     completion = {"model": MODEL_NAME, "prompt": "1+2=", "max_tokens": 4, "logprobs": 2, "echo": True}
@@ -132,6 +136,14 @@ def responses(server: Server) -> Responses:
         collected.add("error", _post(http, "/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404))
         collected.add("error", _post(http, "/v1/completions", {**completion, "max_tokens": -1}, 400))
         collected.add("error", _post(http, "/inference/v1/generate", {"token_ids": []}, 400))
+    tool_chat = {"model": MODEL_NAME, "messages": chat["messages"], "tools": TOOLS, "max_tokens": 40}
+    with reasoning_server.client() as http:
+        answer = _post(http, "/v1/chat/completions", tool_chat)
+        assert json.loads(answer)["choices"][0]["message"]["tool_calls"], answer  # the shapes under test are there
+        collected.add("chat", answer)
+        stream = http.post("/v1/chat/completions", json={**tool_chat, "stream": True})
+        assert '"tool_calls":[{' in stream.text and '"reasoning":"' in stream.text, stream.text
+        collected.add_stream("chat chunk", stream)
     return collected
 
 
