@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from rlserve.server.chat_requests import ToolCall
 
@@ -144,7 +144,16 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     reasoning: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    # A list in every vLLM release's model (0.23-0.33 checked), never null: a null fails their validation. Left out
+    # of a chunk without calls, as vLLM 0.24+ serializes it.
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionStreamChoice(_ChoiceExtras):

@@ -255,7 +255,7 @@ class _ChatChoices:
                 parsed = tools.finish()
                 content += parsed.content
                 calls = [DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(parsed.tool_calls)]
-                delta.tool_calls = calls or None
+                delta.tool_calls = calls
                 finish_reason = _finish_reason(s.finish_reason, parsed.tool_calls)
         delta.content = content if content or delta.reasoning is None else None
         return delta, finish_reason

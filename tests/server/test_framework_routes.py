@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import torch
 from conftest import _start, _stop, _wait_healthy
+from framework_launch_lines import prime_rl_flags
 from framework_senders import (
     StatelessTrainer,
     pipelinerl_parameters_info,
@@ -29,7 +31,7 @@ from framework_senders import (
     prime_rl_broadcast_weights,
 )
 from safetensors.torch import load_file
-from server_helpers import API_KEY, HTTP_TIMEOUT_S, Server, free_port
+from server_helpers import API_KEY, HTTP_TIMEOUT_S, Server, free_port, launch
 
 from rlserve.rl.client import RLServeClient
 from rlserve.toy import make_lora_dir, make_model_dir
@@ -58,17 +60,34 @@ def adapter_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prime_server(
     server_model_dir: Path, adapter_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """prime-rl's server: no weight-transfer config (its /init_broadcaster picks the backend), LoRA on, adapters
-    from `adapter_root` only, loaded at run time (SkyRL's route needs that as vLLM's does)."""
-    log = tmp_path_factory.mktemp("fw-logs") / "prime.log"
-    args = ("--enable-rl-api", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+    """prime-rl's server: its own launch line (framework_launch_lines.prime_rl_flags: no weight-transfer config, its
+    /init_broadcaster picks the backend) with what rlserve needs beside it: the RL API and its key, and here LoRA
+    on with adapters from `adapter_root` only, loaded at run time (SkyRL's route needs that as vLLM's does)."""
+    args = ("--enable-rl-api", "--api-key", API_KEY, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
     args += ("--allowed-weight-dirs", str(adapter_root), "--enable-runtime-lora-updating")
-    server = _start(server_model_dir, log, *args, api_key=API_KEY)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    server = launch(tmp_path_factory.mktemp("fw-logs"), *prime_rl_flags(str(server_model_dir)), *args, headers=headers)
     try:
         _wait_healthy(server)
         yield server
     finally:
         _stop(server)
+
+
+def test_prime_rl_launch_line_takes_effect(prime_server: Server) -> None:
+    """Its flags reach the server: processed logprobs, auto tool choice with hermes, the fp32 LM head of its
+    --additional-config; its --data-parallel-rpc-port and --max-cpu-loras are named no-ops in the log."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "tools": tools}
+    with prime_server.client() as admin:
+        response = admin.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert len(answer["choices"][0]["logprobs"]["content"]) == answer["usage"]["completion_tokens"]
+        info = admin.get("/server_info").json()
+    log = prime_server.log_tail(20000)
+    assert "--data-parallel-rpc-port: accepted, no effect" in log and "--max-cpu-loras: accepted, no effect" in log
+    assert "processed_logprobs" in json.dumps(info) and "float32" in json.dumps(info), info
 
 
 @pytest.fixture(scope="module")
