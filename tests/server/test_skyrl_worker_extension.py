@@ -92,8 +92,9 @@ def _greedy(http) -> list[int]:
     return http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
 
 
+@pytest.mark.slow  # a server of its own (SkyRL's extension) and a trainer process: ~10 s on an idle machine
 def test_skyrl_trainer_syncs_weights_through_skyrls_worker_extension(
-    skyrl_server: Server, skyrl_python_path: str, tmp_path: Path
+    request: pytest.FixtureRequest, skyrl_server: Server, skyrl_python_path: str, tmp_path: Path
 ) -> None:
     new_dir = make_model_dir(tmp_path / "new", seed=31, initializer_range=0.2)
     checkpoint = new_dir / "model.safetensors"
@@ -115,3 +116,7 @@ def test_skyrl_trainer_syncs_weights_through_skyrls_worker_extension(
         served = http.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
         assert served == weight_checksums(load_file(checkpoint).items())
         assert _greedy(http) != before  # the new random checkpoint answers differently
+        if "head" in request.node.callspec.id:
+            # HEAD's allocator-level sleep for a weight sync needs vLLM's CuMemAllocator: refused, naming it.
+            sleep = http.post("/collective_rpc", json={"method": "skyrl_sleep_for_weight_sync"})
+            assert sleep.status_code == 409 and "vllm.device_allocator: rlserve does not provide" in sleep.text
