@@ -60,3 +60,19 @@ def import_skipping_inits(module: str, bare_packages: Iterable[str]) -> types.Mo
         sys.modules[package] = bare
     with typed_dict_pydantic_accepts():
         return importlib.import_module(module)
+
+
+# skyrl's packages above the modules the tests use (its worker extension, HTTP client and weight-sync sender), loaded
+# without their `__init__`.
+SKYRL_PACKAGES = (
+    "skyrl",
+    "skyrl.backends",
+    "skyrl.backends.skyrl_train",
+    "skyrl.backends.skyrl_train.inference_servers",
+    "skyrl.backends.skyrl_train.weight_sync",
+)
+
+
+def skyrl_module(module: str) -> types.ModuleType:
+    """`module` of the skyrl first on sys.path (SkyRL's source at a commit, or the installed release)."""
+    return import_skipping_inits(module, SKYRL_PACKAGES)

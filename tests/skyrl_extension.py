@@ -3,8 +3,8 @@ skyrl_extension:SkyRLWorkerExtension` loads it in the tests (with RLSERVE_VLLM_S
 found first on sys.path is used: SkyRL's source at a commit, put there by the test, or the installed release.
 
 Two things stand between SkyRL's class and a CPU-only test machine, and this module handles exactly those:
-- skyrl's package `__init__`s import far more than the extension (framework_imports.py): `SKYRL_PACKAGES` are loaded
-  bare, as the tests load skyrl's client modules;
+- skyrl's package `__init__`s import far more than the extension: its packages are loaded bare
+  (framework_imports.py), as the tests load skyrl's client modules;
 - SkyRL's `update_weights_nccl` ends with `torch.accelerator.synchronize()`, which raises on a machine without an
   accelerator (torch 2.13) where there is nothing to wait for: the subclass runs SkyRL's method with that call a no-op
   when `torch.accelerator.is_available()` is false. Every other line is SkyRL's.
@@ -17,21 +17,7 @@ from contextlib import contextmanager
 from unittest import mock
 
 import torch
-from framework_imports import import_skipping_inits
-
-# skyrl's packages above the modules the tests use, loaded without their `__init__`.
-SKYRL_PACKAGES = (
-    "skyrl",
-    "skyrl.backends",
-    "skyrl.backends.skyrl_train",
-    "skyrl.backends.skyrl_train.inference_servers",
-    "skyrl.backends.skyrl_train.weight_sync",
-)
-
-
-def skyrl_module(name: str):
-    return import_skipping_inits(name, SKYRL_PACKAGES)
-
+from framework_imports import skyrl_module
 
 _wrap = skyrl_module("skyrl.backends.skyrl_train.inference_servers.new_inference_worker_wrap")
 

@@ -19,8 +19,8 @@ import json
 import sys
 
 import torch
+from framework_imports import skyrl_module
 from safetensors.torch import load_file
-from skyrl_extension import skyrl_module
 
 from rlserve import vllm_surface
 from rlserve.dtypes import dtype_name
