@@ -158,8 +158,9 @@ KNOWN_FAILURES: dict[str, dict[str, str]] = {
             "joins through join_worker_group, which also takes the engine's device and weight_transfer_timeout_s"
         ),
         "test_nccl_worker_reuses_metadata_per_model": (
-            "the same replaced worker_init_process_group; and rlserve's nccl engine keeps the 0.24 receive shape "
-            "(receive_weights(update_info, load_weights)) so the engine can roll back exactly what it wrote"
+            "the same replaced worker_init_process_group; and rlserve's engine calls its nccl backend in the 0.24 "
+            "shape (receive_weights(update_info, load_weights)) so it can roll back exactly what was written (the "
+            "backend takes 0.33's receive_weights(update_info) too, from worker extensions)"
         ),
     },
 }

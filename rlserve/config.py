@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
@@ -417,3 +419,16 @@ class EngineConfig:
         cuda:rank*tensor_parallel_size on), on CPU it shares the host."""
         device = f"cuda:{rank * self.tensor_parallel_size}" if self.device.startswith("cuda") else self.device
         return replace(self, data_parallel_rank=rank, device=device)
+
+
+@contextmanager
+def set_current_vllm_config(vllm_config: EngineConfig) -> Iterator[None]:
+    """vLLM's context for code that reads the engine's config ambiently (kernels built while weights are processed),
+    which worker extensions wrap weight loads in (`set_current_vllm_config(self.vllm_config)`). rlserve's layers are
+    given their settings when built and read none ambiently, so there is nothing to set; the argument is checked,
+    since code that passes anything but the worker's `vllm_config` expects vLLM's config objects."""
+    if not isinstance(vllm_config, EngineConfig):
+        raise TypeError(
+            f"set_current_vllm_config: vllm_config: expected the worker's vllm_config, got {type(vllm_config)!r}"
+        )
+    yield

@@ -124,7 +124,7 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
         "from vllm import TokensPrompt": "vllm.TokensPrompt",
         "from vllm.sampling_params import GuidedDecodingParams": "vllm.sampling_params.GuidedDecodingParams",
         "from vllm.distributed.utils import get_pp_indices": "vllm.distributed.utils.get_pp_indices",
-        "import vllm.model_executor.models": "vllm.model_executor",
+        "import vllm.model_executor.models": "vllm.model_executor.models",
         "from vllm.v1.worker import gpu_worker": "vllm.v1.worker",
     }
     for statement, api in imports.items():
@@ -133,9 +133,33 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
     with pytest.raises(AttributeError, match=re.escape(f"vllm.TokensPrompt: {NOT_PROVIDED}")):
         vllm.TokensPrompt  # noqa: B018
     assert not hasattr(vllm, "TokensPrompt") and getattr(vllm, "AsyncLLMEngine", None) is None  # feature probes
-    # A ModuleNotFoundError, as a framework's fallback for an optional vLLM module expects (SkyRL's extension has one).
-    with pytest.raises(ModuleNotFoundError, match=NOT_PROVIDED):
-        import vllm.model_executor.model_loader.reload  # noqa: F401
+    # A ModuleNotFoundError, as a framework's fallback for an optional vLLM module expects (SkyRL's extension has one);
+    # SkyRL's allocator-level sleep for weight sync imports this one.
+    with pytest.raises(ModuleNotFoundError, match=re.escape(f"vllm.device_allocator: {NOT_PROVIDED}")):
+        import vllm.device_allocator  # noqa: F401
+
+
+def test_skyrl_extensions_vllm_calls_check_what_they_are_given(surface: None) -> None:
+    """What SkyRL's worker extension calls around an update (tests/server/test_skyrl_worker_extension.py runs it on a
+    server) refuses, by the parameter's name, anything but the worker's own objects it is meant for."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        layerwise,
+        meta,
+    )
+
+    assert layerwise.initialize_layerwise_reload is initialize_layerwise_reload
+    meta.get_numel_loaded = len  # SkyRL rebinds it (a fix of vLLM's count, which rlserve does not make)
+    with pytest.raises(TypeError, match="set_current_vllm_config: vllm_config: expected the worker's vllm_config"):
+        with set_current_vllm_config(object()):
+            pass
+    with pytest.raises(TypeError, match=r"initialize_layerwise_reload: model: expected the worker's model"):
+        initialize_layerwise_reload(torch.nn.Linear(1, 1))
+    with pytest.raises(TypeError, match="finalize_layerwise_reload: model_config: expected the worker's model_config"):
+        finalize_layerwise_reload(torch.nn.Linear(1, 1), {})
 
 
 def test_an_installed_vllm_is_never_shadowed(

@@ -18,6 +18,11 @@ class CheckpointLoader:
     def describe(self) -> dict:
         return {"rank": self.rank, "local_rank": self.local_rank, "device": str(self.device)}
 
+    def transfer_backend(self) -> str | None:
+        """The class of this rank's weight-transfer backend, as vLLM code reads it (`self.weight_transfer_engine`)."""
+        engine = self.weight_transfer_engine
+        return None if engine is None else type(engine).__name__
+
     def nap(self, seconds: float) -> float:
         """Hold the engine core for `seconds`, as a slow extension method does."""
         time.sleep(seconds)

@@ -12,8 +12,9 @@ the table gives it. What is not here is not provided: importing it raises Import
 
 The paths and names are vLLM 0.33.0's (`VLLM_VERSION`, which `vllm.__version__` reports, so that frameworks pick
 their code paths for the API rlserve implements), chosen from what the RL frameworks import: TRL 1.16.0 (`trl
-vllm-serve`, `VLLMClient`, `VLLMGeneration`, async GRPO's weight transfer), SkyRL and prime-rl / PipelineRL worker
-extensions (the weight-transfer group classes).
+vllm-serve`, `VLLMClient`, `VLLMGeneration`, async GRPO's weight transfer), SkyRL's worker extension and trainer-side
+sender (layerwise reload, `set_current_vllm_config`, the NCCL engine), prime-rl / PipelineRL worker extensions (the
+weight-transfer group classes).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ _REQUEST_OUTPUT = "rlserve.outputs:RequestOutput"
 _COMPLETION_OUTPUT = "rlserve.outputs:CompletionOutput"
 _ENGINE_ARGS = "rlserve.engine.frontend.args:EngineArgs"
 _ASYNC_ENGINE_ARGS = "rlserve.engine.frontend.args:AsyncEngineArgs"
+_LAYERWISE_RELOAD = {
+    "initialize_layerwise_reload": "rlserve.model.reload:initialize_layerwise_reload",
+    "finalize_layerwise_reload": "rlserve.model.reload:finalize_layerwise_reload",
+}
 _NO_STRUCTURED_OUTPUTS = "rlserve has no structured (guided) decoding; leave the regex / JSON schema / grammar unset"
 
 MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
@@ -70,7 +75,14 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.config": {
         "WeightTransferConfig": "rlserve.config:WeightTransferConfig",
         "ProfilerConfig": "rlserve.config:ProfilerConfig",
+        "set_current_vllm_config": "rlserve.config:set_current_vllm_config",
     },
+    # SkyRL's worker extension brackets an update with these (rlserve/model/reload.py says what they do here). It
+    # also rebinds `get_numel_loaded` in `layerwise` and `meta` (its fix of vLLM's element count): rlserve's reload
+    # counts no elements (every tensor is written whole as it arrives), so the rebound name has no reader.
+    "vllm.model_executor.model_loader.reload": _LAYERWISE_RELOAD,
+    "vllm.model_executor.model_loader.reload.layerwise": _LAYERWISE_RELOAD,
+    "vllm.model_executor.model_loader.reload.meta": {},
     "vllm.config.parallel": {"ParallelConfig": "rlserve.weight_transfer.base:ParallelConfigLike"},
     "vllm.platforms": {
         "current_platform": "rlserve.platforms:current_platform",

@@ -197,6 +197,19 @@ class WeightTransferEngine(ABC, Generic[TInitInfo, TUpdateInfo]):
         else:
             self.receive_weights(update_info, load_weights)
 
+    def target_load_weights(self, load_weights: LoadWeightsFn | None) -> LoadWeightsFn:
+        """For a backend in the 0.24 shape whose `receive_weights` takes `load_weights` optionally: the loader given
+        (0.24's call), else the update target's `load_weights` (0.33's call, which SkyRL HEAD's worker extension
+        makes after `set_weight_update_target`)."""
+        if load_weights is not None:
+            return load_weights
+        if self.model is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.receive_weights: no load_weights given and no model to load into "
+                "(the engine gives one; set_weight_update_target sets another)"
+            )
+        return self.model.load_weights
+
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         self.model, self.model_config = model, model_config
 

@@ -334,8 +334,9 @@ class NCCLWeightTransferEngine(WeightTransferEngine[NCCLWeightTransferInitInfo, 
             )
         return info
 
-    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn) -> None:
-        self._receive(update_info, load_weights)
+    def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo, load_weights: LoadWeightsFn | None = None):
+        """Either call shape: vLLM 0.24's (with `load_weights`) or 0.33's (see `target_load_weights`)."""
+        self._receive(update_info, self.target_load_weights(load_weights))
 
     def discard_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         self._receive(update_info, _discard)

@@ -40,6 +40,12 @@ def test_a_function_runs_with_the_worker_first_in_process(qwen3_dir, make_llm) -
         2 * llm.engine_core.runner.spec.num_layers
     ]
     assert llm.collective_rpc("describe") == [{"rank": 0, "local_rank": 0, "device": "cpu"}]
+    # vLLM's worker attributes that extensions hand back to vLLM functions (SkyRL's): the engine's config, and the
+    # weight-transfer backend, none before a trainer's init_weight_transfer_engine.
+    config = llm.engine_core.runner.config
+    assert llm.collective_rpc(lambda w: (w.vllm_config, w.model_config, w.weight_transfer_engine)) == [
+        (config, config, None)
+    ]
     # Without an extension the worker is still there for functions.
     assert make_llm(qwen3_dir, in_process=True).collective_rpc(lambda w: w.rank) == [0]
 

@@ -172,6 +172,7 @@ def test_weight_updates_reach_every_rank_or_none(tp2, reference, model_dirs, qwe
     # Checksums are of the whole tensors, put together from both ranks' parts: equal to the checkpoint's.
     assert llm.weight_checksums() == weight_checksums(original.items())
     assert [d["rank"] for d in llm.collective_rpc("describe")] == [0, 1]
+    assert llm.collective_rpc("transfer_backend") == [None, None]  # no trainer has joined yet
 
     # A wrong shape is refused before any rank writes: the trainer's broadcast is taken and dropped by both.
     bad = {name: t[:-1] if name.endswith("q_proj.weight") else t for name, t in new.items()}
@@ -184,6 +185,8 @@ def test_weight_updates_reach_every_rank_or_none(tp2, reference, model_dirs, qwe
     # A full update: each rank keeps its part of every broadcast bucket; the engine then is the new checkpoint's.
     _nccl_update(llm, new, sent=new)
     assert llm.weight_checksums() == weight_checksums(new.items())
+    # What a worker extension reads as vLLM's `weight_transfer_engine`: each rank's own, joined to the trainer's group.
+    assert llm.collective_rpc("transfer_backend") == ["NCCLWeightTransferEngine"] * 2
     assert_same_outputs(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference(str(qwen3_alt_dir)))
 
     # Tensors from the front end (load_weights) reach the other rank by a broadcast; a wrong one changes no rank.

@@ -5,9 +5,10 @@ request and its flags take effect. The servers start side by side (one module fi
 What differs from the framework's line, and why (nothing else is changed; the test adds `--host 127.0.0.1 --port P`
 at the end, which wins over a `--host` / `--port` the line has, as argparse takes the last):
 - the model: a tiny random checkpoint whose context (16,384 positions) holds PipelineRL's `--max_model_len 10000`;
-- SkyRL and verl: without `--worker-extension-cls` (their extensions import vLLM's worker internals: see
-  docs/frameworks.md); verl: `--load_format auto` instead of `dummy` (the answer is then the checkpoint's, not random
-  weights) and `--dtype float32` (its bfloat16 on the CPU is slow);
+- SkyRL and verl: without `--worker-extension-cls` (verl's extension imports vLLM's worker internals; SkyRL's runs
+  under the vllm import surface in test_skyrl_worker_extension.py, loaded past skyrl's package `__init__`s, which
+  pydantic refuses on Python 3.11; see docs/frameworks.md); verl: `--load_format auto` instead of `dummy` (the answer
+  is then the checkpoint's, not random weights) and `--dtype float32` (its bfloat16 on the CPU is slow);
 - PipelineRL: its debug mode's line (`--disable-weight-updates`); the line that joins the trainer's group at start is
   test_framework_routes.py's `pipelinerl` fixture.
 prime-rl's line serves its routes in test_framework_routes.py (`prime_server`: its line, plus the RL API and a key,

@@ -6,11 +6,11 @@ vLLM for these clients: dev mode (VLLM_SERVER_DEV_MODE=1), no API key (neither c
 
 What of those releases does not run here, and why:
 - SkyRL's chunked weight push (`start_weight_update`, `update_weights_nccl`, `finish_weight_update` of the client)
-  goes through /collective_rpc to its `NewInferenceWorkerWrap` worker extension, which imports vllm: no worker of a
-  vLLM-free server has those methods. Its native calls run: `init_weight_update_communicator` (with its
-  `BroadcastInitInfo`) and `update_named_weights` (/update_weights), between vLLM's /start_weight_update and
+  goes through /collective_rpc to its `NewInferenceWorkerWrap` worker extension: test_skyrl_worker_extension.py runs
+  it on a server of its own that loads the extension. Here its native calls run: `init_weight_update_communicator`
+  (with its `BroadcastInitInfo`) and `update_named_weights` (/update_weights), between vLLM's /start_weight_update and
   /finish_weight_update sent by the test (vLLM 0.23, SkyRL's pin, requires them around an update too). The trainer's
-  end of the group is rlserve's `NCCLWeightTransferEngine` (SkyRL's sender is vLLM's, on a GPU).
+  end of the group is rlserve's `NCCLWeightTransferEngine`.
 - TRL's `WeightTransferClient` refuses to construct without vLLM installed (`is_vllm_available`), and its trainer
   side is vLLM's NCCL helpers: the HTTP half it drives, `VLLMClient`'s init / start / update / finish, runs here in
   `send_weights`' order with rlserve's trainer side in place of vLLM's.

@@ -16,7 +16,7 @@ from rlserve.engine.worker.extension import extension_methods, make_worker
 class WorkerRPC:
     def __init__(self, plane: DataPlane, weights: WeightControl) -> None:
         self.plane = plane
-        self.worker = make_worker(plane.runner, plane.config.worker_extension_cls)  # rank 0's
+        self.worker = make_worker(plane.runner, plane.config.worker_extension_cls, weights)  # rank 0's
         # vLLM's own worker methods (ENGINE_RPC_METHODS) are the weights' methods of the same names.
         self.engine_methods = {name: getattr(weights, name) for name in ENGINE_RPC_METHODS}
 

@@ -1,16 +1,28 @@
 """vLLM's worker surface for user code: the methods of a `worker_extension_cls` and functions passed to
 `collective_rpc` run on the engine's worker and see it as vLLM code expects (`self.model_runner.model.load_weights`,
-`self.device`, `self.rank`), so weight-sync extensions written for vLLM (PipelineRL's, OpenRLHF's) run unchanged."""
+`self.device`, `self.rank`, `self.vllm_config`, `self.weight_transfer_engine`), so weight-sync extensions written for
+vLLM (PipelineRL's, OpenRLHF's, SkyRL's `NewInferenceWorkerWrap`) run unchanged."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from rlserve.config import EngineConfig
 from rlserve.engine.worker.model_runner import ModelRunner
 from rlserve.vllm_surface import ENV_VAR, install_if_requested
+
+if TYPE_CHECKING:
+    from rlserve.weight_transfer.base import WeightTransferEngine
+
+
+class TransferHolder(Protocol):
+    """What holds a rank's weight-transfer backend: the core's weight control (rank 0), a follower (the others).
+    `transfer` is None until the trainer's init_weight_transfer_engine, and replaced by a later one."""
+
+    transfer: WeightTransferEngine | None
 
 
 class Worker:
@@ -23,9 +35,28 @@ class Worker:
     model_runner: ModelRunner
     device: torch.device
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, transfers: TransferHolder) -> None:
         self.model_runner = runner
         self.device = runner.device
+        self._transfers = transfers
+
+    @property
+    def vllm_config(self) -> EngineConfig:
+        """vLLM's `worker.vllm_config`, which extensions hand back to vLLM functions (`set_current_vllm_config`):
+        the engine's config."""
+        return self.model_runner.config
+
+    @property
+    def model_config(self) -> EngineConfig:
+        """vLLM's `worker.model_config` (what `finalize_layerwise_reload` and `set_weight_update_target` take): the
+        engine's config, which holds rlserve's model settings."""
+        return self.model_runner.config
+
+    @property
+    def weight_transfer_engine(self) -> WeightTransferEngine | None:
+        """vLLM's: this rank's weight-transfer backend (`parse_update_info`, `receive_weights`,
+        `set_weight_update_target`...), the one the trainer's init_weight_transfer_engine joined; None before."""
+        return self._transfers.transfer
 
 
 def import_class(path: str) -> type:
@@ -46,17 +77,17 @@ def import_class(path: str) -> type:
     return cls
 
 
-def make_worker(runner: ModelRunner, extension_cls: str | None) -> Worker:
+def make_worker(runner: ModelRunner, extension_cls: str | None, transfers: TransferHolder) -> Worker:
     """The engine's worker, with the extension's methods mixed in (as vLLM does; a name both define is an error)."""
     if extension_cls is None:
-        return Worker(runner)
+        return Worker(runner, transfers)
     extension = import_class(extension_cls)
     worker_names = set(vars(Worker)) | set(Worker.__annotations__)
     clashes = sorted(n for n in vars(extension) if not n.startswith("__") and n in worker_names)
     if clashes:
         raise ValueError(f"worker_extension_cls: {extension.__name__} redefines worker attributes {clashes}")
     cls = type(f"WorkerWith{extension.__name__}", (Worker, extension), {})
-    return cls(runner)
+    return cls(runner, transfers)
 
 
 def extension_methods(worker: Worker) -> set[str]:

@@ -117,10 +117,10 @@ class _Follower:
         self.profiler = None
         if profiling_enabled(self.config):
             self.profiler = TraceProfiler(self.config.profiler_config, runner.device)
-        self.worker = make_worker(runner, startup.config.worker_extension_cls)
+        self.transfer = None  # this rank's weight-transfer backend, which its worker's extension may drive
+        self.worker = make_worker(runner, startup.config.worker_extension_cls, self)
         self.worker.rank = self.worker.local_rank = startup.rank
         self.snapshot: dict[str, torch.Tensor] | None = None
-        self.transfer = None
         self._transfer_init: threading.Thread | None = None
         self._transfer_error: BaseException | None = None
 
