@@ -1,0 +1,114 @@
+"""Decode sequences that share leading KV blocks, found on the host from a step's block tables.
+
+Prefix caching gives the samples of one prompt (a GRPO group) the same physical blocks for their prompt, and a
+conversation's later turns the blocks of its earlier ones. Attention can then read such a shared prefix once per step
+for the whole group (Hydragen's decomposition: the prefix attended as one matmul over the group's queries, each
+sequence's own blocks after it alone, the two merged by log-sum-exp) instead of once per sequence.
+
+Only whole blocks are shared: two sequences whose contexts diverge mid-block hold different copies of that block,
+so their block ids differ there and the shared prefix ends at the whole blocks before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# A group's prefix is worth reading once only when the bytes it saves outweigh what the split adds. Per layer and kv
+# head, each member but one no longer reads the prefix's K and V (bf16: 4D bytes per token); every member writes two
+# partial results per query head instead of one output (prefix and suffix: fp32 output and lse, ~4D bytes each) which
+# the merge reads back, ~16D * G bytes per member. Grouping m members pays from prefix_len >= 4G * m / (m - 1)
+# tokens on: at most 8G, 64 tokens for G = 8 (the largest query-per-kv-head ratio of the models served). The extra
+# kernel launch per layer (a few microseconds) is paid only by steps that have a group at all. A floor from bytes,
+# not a tuned figure: the GPU measurement of issue 34 is pending.
+MIN_SHARED_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class PrefixGroups:
+    """One decode step's groups: each a run of batch rows whose first shared_lens[g] context tokens sit in the same
+    physical blocks. Tensors are int32, on the host when built and on the step's device after `to_device`."""
+
+    member_rows: torch.Tensor  # [num_members] batch rows of the grouped sequences, group after group
+    group_starts: torch.Tensor  # [num_groups + 1] offsets of each group's members in member_rows
+    shared_lens: torch.Tensor  # [num_groups] tokens of each group's shared prefix (whole blocks)
+    suffix_starts: torch.Tensor  # [batch] first context position a sequence attends to alone (0: ungrouped)
+    max_group_size: int  # host bounds, which size the kernels' launch grids
+    max_shared_len: int
+
+    @property
+    def num_groups(self) -> int:
+        return self.shared_lens.shape[0]
+
+    def to_device(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> PrefixGroups:
+        """The same groups with each tensor passed through `copy` (the runner's host-to-device copy)."""
+        return PrefixGroups(
+            copy(self.member_rows),
+            copy(self.group_starts),
+            copy(self.shared_lens),
+            copy(self.suffix_starts),
+            self.max_group_size,
+            self.max_shared_len,
+        )
+
+
+def find_prefix_groups(
+    block_tables: torch.Tensor, seq_lens: list[int], block_size: int, min_shared_tokens: int = MIN_SHARED_TOKENS
+) -> PrefixGroups | None:
+    """Group a decode step's sequences by the leading whole blocks their block tables share; None when no group of
+    two or more shares at least `min_shared_tokens` (the step then takes the per-sequence path unchanged).
+
+    block_tables: the step's [batch, columns] host table; seq_lens: each sequence's context length after this step's
+    key is stored. A block counts only when it lies wholly inside every member's context. Rows are sorted by their
+    block ids, so sequences sharing a prefix are neighbours; a group grows along that order while the next row shares
+    the group's whole prefix (a group never gives up prefix to take in one more member: a row that shares less
+    starts the next group).
+    """
+    batch = len(seq_lens)
+    whole_blocks = np.asarray(seq_lens, dtype=np.int64) // block_size
+    width = min(int(whole_blocks.max(initial=0)), block_tables.shape[1])
+    min_blocks = -(-min_shared_tokens // block_size)
+    if batch < 2 or width < min_blocks:
+        return None
+    table = block_tables[:, :width].numpy().astype(np.int64)
+    # Past a row's whole blocks, a value no other row holds (block ids are >= 0), so no prefix runs on through it.
+    beyond = np.arange(width)[None, :] >= whole_blocks[:, None]
+    table = np.where(beyond, -1 - np.arange(batch)[:, None], table)
+    order = np.lexsort(table.T[::-1])  # lexsort's last key is the primary one
+    ordered = table[order]
+    equal = ordered[1:] == ordered[:-1]
+    neighbour_shared = np.where(equal.all(1), width, equal.argmin(1)).tolist()  # leading equal blocks of each pair
+    order = order.tolist()
+    groups: list[tuple[list[int], int]] = []
+    first = 0
+    while first < batch - 1:
+        shared = neighbour_shared[first]
+        last = first + 1
+        if shared >= min_blocks:
+            while last < batch - 1 and neighbour_shared[last] >= shared:
+                last += 1
+            groups.append((order[first : last + 1], shared * block_size))
+        first = last if shared < min_blocks else last + 1
+    if not groups:
+        return None
+    return _pack(groups, batch)
+
+
+def _pack(groups: list[tuple[list[int], int]], batch: int) -> PrefixGroups:
+    member_rows = [row for rows, _ in groups for row in rows]
+    starts = np.cumsum([0] + [len(rows) for rows, _ in groups]).tolist()
+    suffix_starts = [0] * batch
+    for rows, shared_len in groups:
+        for row in rows:
+            suffix_starts[row] = shared_len
+    return PrefixGroups(
+        member_rows=torch.tensor(member_rows, dtype=torch.int32),
+        group_starts=torch.tensor(starts, dtype=torch.int32),
+        shared_lens=torch.tensor([shared_len for _, shared_len in groups], dtype=torch.int32),
+        suffix_starts=torch.tensor(suffix_starts, dtype=torch.int32),
+        max_group_size=max(len(rows) for rows, _ in groups),
+        max_shared_len=max(shared_len for _, shared_len in groups),
+    )
