@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from rlserve.engine.worker.step_inputs import StepHeader, StepInputs, follower_h
 from rlserve.engine.worker.step_outputs import LaunchedStep, RunnerOutput
 from rlserve.engine.worker.warm_up import dummy_sequence_meta, peak_memory_run, warm_up
 from rlserve.lora.peft import PEFTAdapter
-from rlserve.model.attention import AttentionMetadata, create_attention_backend
+from rlserve.model.attention import AttentionMetadata, PrefixGroups, create_attention_backend
 from rlserve.model.forward_context import ForwardContext
 from rlserve.model.loader import load_model
 from rlserve.model.lora import lora_mask
@@ -291,10 +292,13 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
         """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there), hand them to the
         other tensor-parallel ranks, and run the decoder."""
-        max_seq_len = max(inputs.seq_lens)
-        block_tables = self._to_device(
-            self.block_table_buffer.gather(inputs.block_table_rows, -(-max_seq_len // self.block_size))
+        host_tables = self.block_table_buffer.gather(
+            inputs.block_table_rows, -(-max(inputs.seq_lens) // self.block_size)
         )
+        prefix_groups = None
+        if self.config.grouped_prefix_attention:  # found on the host tables: no read-back from the device
+            prefix_groups = inputs.prefix_groups(host_tables, self.block_size, self._to_device)
+        block_tables = self._to_device(host_tables)
         ids = self._host_tensor(inputs.input_ids, torch.long)
         if inputs.placeholder_rows:
             sources = self._host_tensor(inputs.placeholder_sources, torch.long)
@@ -306,7 +310,7 @@ class ModelRunner:
         if self.followers is not None:
             self._lead_step(inputs, ids, pos, slots, block_tables)
         return self._run_model(
-            ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens, lora_mapping
+            ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens, lora_mapping, prefix_groups
         )
 
     def _lead_step(
@@ -350,16 +354,17 @@ class ModelRunner:
         query_lens: list[int],
         seq_lens_cpu: list[int],
         lora_mapping: torch.Tensor | None = None,
+        prefix_groups: PrefixGroups | None = None,
     ) -> torch.Tensor:
         """The decoder over one step's device inputs: a captured CUDA graph for pure decode batches that fit one,
-        eager otherwise. lora_mapping: each token's adapter slot (-1: none), or None when no token has one."""
+        eager otherwise. lora_mapping: each token's adapter slot (-1: none), or None when no token has one.
+        prefix_groups: a decode step's groups; such a step runs eagerly (the graphs hold the per-sequence kernel)."""
         num_seqs = len(query_lens)
         is_decode = ids.shape[0] == num_seqs
-        if is_decode and self.cuda_graphs is not None and num_seqs <= self.cuda_graphs.max_batch_size:
-            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
+        graphs = self.cuda_graphs
+        if is_decode and prefix_groups is None and graphs is not None and num_seqs <= graphs.max_batch_size:
+            return graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping)
+        cu = [0, *itertools.accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self._host_tensor(cu, torch.int32),
@@ -371,6 +376,7 @@ class ModelRunner:
             max_seq_len=self.max_model_len if is_decode else max(seq_lens_cpu),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
+            prefix_groups=prefix_groups,
         )
         ctx = ForwardContext(meta, self.kv_caches, self.backend, self._routed_rows)
         if lora_mapping is not None:

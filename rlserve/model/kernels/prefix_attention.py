@@ -85,7 +85,7 @@ def _prefix_group_kernel(
     end = tl.minimum(start + tiles_per_split * BLOCK_N, shared_len)
     full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
 
-    # Row r of the tile is member member_tile * MEMBERS_PER_TILE + r // G of the group, in query head kv_head * G + r % G.
+    # Row r of the tile: member member_tile * MEMBERS_PER_TILE + r // G of the group, query head kv_head * G + r % G.
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     member = member_tile * MEMBERS_PER_TILE + offs_m // G
@@ -192,7 +192,8 @@ def grouped_decode_attention(
         _prefix_group_kernel[(num_groups, num_kv_heads, member_tiles * prefix_splits)](
             q, k_cache, v_cache, part_out, part_lse, member_rows, group_starts, shared_lens, block_tables,
             scale * _LOG2E, *q.stride(), *k_cache.stride(), block_tables.stride(0),
-            BLOCK_M=block_m, MEMBERS_PER_TILE=block_m // group, PREFIX_SPLITS=prefix_splits, FIRST_PARTIAL=num_splits, NUM_PARTIALS=num_partials,
+            BLOCK_M=block_m, MEMBERS_PER_TILE=block_m // group, PREFIX_SPLITS=prefix_splits, FIRST_PARTIAL=num_splits,
+            NUM_PARTIALS=num_partials,
             **common,
         )  # fmt: skip
     _decode_reduce_kernel[(batch, num_heads)](

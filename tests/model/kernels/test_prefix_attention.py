@@ -13,10 +13,11 @@ import torch
 
 interpret_helpers.require_triton()
 
+from prefix_batches import build_grouped_batch, reference_decode  # noqa: E402
+
 from rlserve.model.attention.prefix_groups import find_prefix_groups  # noqa: E402
 from rlserve.model.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from rlserve.model.kernels.prefix_attention import grouped_decode_attention  # noqa: E402
-from prefix_batches import build_grouped_batch, reference_decode  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
 
@@ -32,7 +33,7 @@ TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 def run_grouped(batch, scale, **splits) -> torch.Tensor:
     groups = find_prefix_groups(batch.block_tables, batch.seq_lens.tolist(), batch.k_cache.shape[1])
     starts, members = groups.group_starts.tolist(), groups.member_rows.tolist()
-    found = sorted(sorted(members[a:b]) for a, b in zip(starts, starts[1:]))
+    found = sorted(sorted(members[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True))
     assert found == sorted(sorted(rows) for rows in batch.expected_groups)  # the path under test really groups
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype)
     result = grouped_decode_attention(
