@@ -63,9 +63,8 @@ def find_prefix_groups(
 
     block_tables: the step's [batch, columns] host table; seq_lens: each sequence's context length after this step's
     key is stored. A block counts only when it lies wholly inside every member's context. Rows are sorted by their
-    block ids, so sequences sharing a prefix are neighbours; a group grows along that order while the next row shares
-    the group's whole prefix (a group never gives up prefix to take in one more member: a row that shares less
-    starts the next group).
+    block ids, so that sequences sharing a prefix are neighbours, and cut into the groups that save the most reads
+    (_most_saving_groups). Each sequence is in at most one group: one shared prefix per sequence.
     """
     batch = len(seq_lens)
     whole_blocks = np.asarray(seq_lens, dtype=np.int64) // block_size
@@ -73,28 +72,56 @@ def find_prefix_groups(
     min_blocks = -(-min_shared_tokens // block_size)
     if batch < 2 or width < min_blocks:
         return None
-    table = block_tables[:, :width].numpy().astype(np.int64)
-    # Past a row's whole blocks, a value no other row holds (block ids are >= 0), so no prefix runs on through it.
-    beyond = np.arange(width)[None, :] >= whole_blocks[:, None]
-    table = np.where(beyond, -1 - np.arange(batch)[:, None], table)
-    order = np.lexsort(table.T[::-1])  # lexsort's last key is the primary one
+    # Past a row's whole blocks, and in one column past them all, a value no other row holds (block ids are >= 0):
+    # no shared prefix runs on through it, and every pair of rows differs somewhere.
+    table = np.empty((batch, width + 1), dtype=np.int32)
+    table[:, :width] = block_tables[:, :width].numpy()
+    table[np.arange(width + 1)[None, :] >= whole_blocks[:, None]] = -1
+    table -= np.where(table < 0, np.arange(batch, dtype=np.int32)[:, None], 0)
+    # Sorting the rows as byte strings puts rows with equal leading blocks next to each other (the order among
+    # different rows does not matter), at a fraction of a lexsort's cost on long tables.
+    order = np.argsort(table.view(np.dtype((np.void, table.itemsize * (width + 1)))).ravel())
     ordered = table[order]
-    equal = ordered[1:] == ordered[:-1]
-    neighbour_shared = np.where(equal.all(1), width, equal.argmin(1)).tolist()  # leading equal blocks of each pair
+    neighbour_shared = np.argmin(ordered[1:] == ordered[:-1], axis=1).tolist()  # leading equal blocks of each pair
     order = order.tolist()
-    groups: list[tuple[list[int], int]] = []
-    first = 0
-    while first < batch - 1:
-        shared = neighbour_shared[first]
-        last = first + 1
-        if shared >= min_blocks:
-            while last < batch - 1 and neighbour_shared[last] >= shared:
-                last += 1
-            groups.append((order[first : last + 1], shared * block_size))
-        first = last if shared < min_blocks else last + 1
-    if not groups:
-        return None
-    return _pack(groups, batch)
+    groups = [
+        (order[first : last + 1], shared * block_size)
+        for first, last, shared in _most_saving_groups(neighbour_shared, min_blocks)
+    ]
+    return _pack(groups, batch) if groups else None
+
+
+def _most_saving_groups(neighbour_shared: list[int], min_blocks: int) -> list[tuple[int, int, int]]:
+    """(first, last, shared blocks) of the groups, as runs of the sorted rows, that save the most block reads.
+
+    neighbour_shared[i]: the leading blocks sorted rows i and i + 1 share. A run of rows shares the smallest of its
+    neighbours' counts, m; grouped at m it saves (rows - 1) * m reads (only when m >= min_blocks). Otherwise it splits
+    where its neighbours share just m, into runs that each choose alike (a row alone saves nothing). So a system
+    prompt common to many GRPO groups does not swallow them (each group keeps its whole prompt), while later turns of
+    a conversation join the group of the turn they continue where that saves more. The choice depends only on which
+    rows share what, not on the order of the sort. Runs are visited children first, on an explicit stack (nesting is
+    as deep as a context has blocks)."""
+    best: dict[tuple[int, int], tuple[int, list[tuple[int, int, int]]]] = {}
+    children: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    stack = [(0, len(neighbour_shared))]
+    while stack:
+        run = stack[-1]
+        first, last = run
+        shared = min(neighbour_shared[first:last])
+        if run not in children:
+            splits = [i for i in range(first, last) if neighbour_shared[i] == shared]
+            bounds = zip([first] + [i + 1 for i in splits], splits + [last], strict=True)
+            children[run] = [(a, b) for a, b in bounds if b > a]
+            stack.extend(children[run])
+            continue
+        stack.pop()
+        split_saving = sum(best[child][0] for child in children[run])
+        one_saving = (last - first) * shared if shared >= min_blocks else 0
+        if one_saving and one_saving >= split_saving:
+            best[run] = (one_saving, [(first, last, shared)])
+        else:
+            best[run] = (split_saving, [group for child in children[run] for group in best[child][1]])
+    return best[(0, len(neighbour_shared))][1]
 
 
 def _pack(groups: list[tuple[list[int], int]], batch: int) -> PrefixGroups:

@@ -69,17 +69,21 @@ def test_a_block_counts_only_when_wholly_inside_every_context():
 
 
 def test_groups_under_a_common_system_prompt_keep_their_own_prompts():
-    """Two GRPO groups whose prompts start with the same 2-block system prompt, and later turns of the second
-    group's conversations (which reuse its prompt's blocks): each prompt makes its own group, not one group of the 2
-    common blocks, and the later turns join the group of the prompt they continue."""
-    system = [1, 2]
-    first = [system + [10, 11, 12, 13, 20 + i] for i in range(3)]
-    second = [system + [30, 31, 32, 40 + i] for i in range(2)]
-    later_turn = [system + [30, 31, 32, 50, 51, 52, 60 + i] for i in range(2)]  # the earlier turn's blocks reused
+    """Two GRPO groups whose prompts start with the same 5-block system prompt (itself long enough to group on), and
+    later turns of the second group's conversations (which reuse its prompt's blocks): each prompt makes its own group
+    rather than one group of the system prompt, and the later turns join the group of the prompt they continue."""
+    system = [1, 2, 3, 4, 5]
+    first = [system + [10, 11, 12, 20 + i] for i in range(3)]
+    second = [system + [30, 31, 40 + i] for i in range(2)]
+    later_turn = [system + [30, 31, 50, 51, 52, 60 + i] for i in range(2)]
     rows = first + second + later_turn
     seq_lens = [len(r) * 16 - 3 for r in rows]
-    groups = find_prefix_groups(tables(*rows), seq_lens, 16)
-    assert found(groups) == [([0, 1, 2], 96), ([3, 4, 5, 6], 80)]
+    expected = [([0, 1, 2], 128), ([3, 4, 5, 6], 112)]
+    assert found(find_prefix_groups(tables(*rows), seq_lens, 16)) == expected
+    # The same rows in another order make the same groups.
+    perm = [6, 2, 4, 0, 5, 3, 1]
+    groups = find_prefix_groups(tables(*[rows[i] for i in perm]), [seq_lens[i] for i in perm], 16)
+    assert sorted((sorted(perm[i] for i in rows), shared) for rows, shared in found(groups)) == expected
 
 
 def test_no_group_below_the_minimum_prefix_or_alone():
