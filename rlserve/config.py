@@ -228,7 +228,7 @@ class EngineConfig:
         False,
         "decode attention reads the KV blocks that sequences share at the start of their context (a GRPO group's "
         "prompt, a conversation's earlier turns) once per step for the whole group, merging by log-sum-exp "
-        "(Hydragen-style; same results within rounding); steps with a group run without CUDA graphs; off by default "
+        "(Hydragen-style; same results within rounding; a second decode CUDA graph per batch size); off by default "
         "until measured on a GPU; not with batch_invariant or tensor_parallel_size > 1",
     )
     enable_return_routed_experts: bool = _option(

@@ -27,7 +27,7 @@ from rlserve.engine.worker.step_inputs import StepHeader, StepInputs, follower_h
 from rlserve.engine.worker.step_outputs import LaunchedStep, RunnerOutput
 from rlserve.engine.worker.warm_up import dummy_sequence_meta, peak_memory_run, warm_up
 from rlserve.lora.peft import PEFTAdapter
-from rlserve.model.attention import AttentionMetadata, PrefixGroups, create_attention_backend
+from rlserve.model.attention import AttentionMetadata, PrefixGroups, create_attention_backend, members_per_item
 from rlserve.model.forward_context import ForwardContext
 from rlserve.model.loader import load_model
 from rlserve.model.lora import lora_mask
@@ -92,6 +92,9 @@ class ModelRunner:
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.fp32_head = config.lm_head_dtype == "float32"
         self.backend = create_attention_backend(config.attention_backend, self.device, config.batch_invariant)
+        # Set: decode steps read a prefix that sequences share once per work item of this many (AttentionMetadata).
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        self.prefix_item_size = members_per_item(group) if config.grouped_prefix_attention else None
         self.model.set_batch_invariant(config.batch_invariant)
         self.sampler = Sampler(config.logprobs_mode, batch_invariant=config.batch_invariant)
         # Unfinished requests with penalties, logit bias or token masks: while none is, a step builds nothing for them.
@@ -185,6 +188,7 @@ class ModelRunner:
                 self.device,
                 self._routed_rows,
                 self.num_lora_slots,
+                self.prefix_item_size,
             )
 
     @property
@@ -292,12 +296,10 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
         """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there), hand them to the
         other tensor-parallel ranks, and run the decoder."""
-        host_tables = self.block_table_buffer.gather(
-            inputs.block_table_rows, -(-max(inputs.seq_lens) // self.block_size)
-        )
-        prefix_groups = None
-        if self.config.grouped_prefix_attention:  # found on the host tables: no read-back from the device
-            prefix_groups = inputs.prefix_groups(host_tables, self.block_size, self._to_device)
+        num_blocks = -(-max(inputs.seq_lens) // self.block_size)
+        host_tables = self.block_table_buffer.gather(inputs.block_table_rows, num_blocks)
+        # Groups are found on the host tables: no read-back from the device.
+        prefix_groups = inputs.prefix_groups(host_tables, self.block_size, self.prefix_item_size, self._to_device)
         block_tables = self._to_device(host_tables)
         ids = self._host_tensor(inputs.input_ids, torch.long)
         if inputs.placeholder_rows:
@@ -358,12 +360,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The decoder over one step's device inputs: a captured CUDA graph for pure decode batches that fit one,
         eager otherwise. lora_mapping: each token's adapter slot (-1: none), or None when no token has one.
-        prefix_groups: a decode step's groups; such a step runs eagerly (the graphs hold the per-sequence kernel)."""
+        prefix_groups: a decode step's groups of sequences sharing a prefix (grouped_prefix_attention), or None."""
         num_seqs = len(query_lens)
         is_decode = ids.shape[0] == num_seqs
-        graphs = self.cuda_graphs
-        if is_decode and prefix_groups is None and graphs is not None and num_seqs <= graphs.max_batch_size:
-            return graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping)
+        if is_decode and self.cuda_graphs is not None and self.cuda_graphs.fits(num_seqs, prefix_groups):
+            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping, prefix_groups)
         cu = [0, *itertools.accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=slots,

@@ -33,13 +33,18 @@ class StepInputs:
     lora_mapping: list[int] | None  # each input token's LoRA slot (-1: none); None when no request has an adapter
 
     def prefix_groups(
-        self, host_tables: torch.Tensor, block_size: int, to_device: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        host_tables: torch.Tensor,
+        block_size: int,
+        item_size: int | None,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
     ) -> PrefixGroups | None:
-        """A decode step's groups of sequences that share leading KV blocks (grouped_prefix_attention), copied with
-        `to_device`; None for a step with a prompt chunk (the varlen kernel attends it) or without a group."""
-        if len(self.input_ids) != len(self.query_lens):
+        """A decode step's groups of sequences that share leading KV blocks, in work items of item_size members,
+        copied with `to_device`; None without item_size (grouped_prefix_attention off), for a step with a prompt
+        chunk (the varlen kernel attends it) or without a group."""
+        if item_size is None or len(self.input_ids) != len(self.query_lens):
             return None
-        groups = find_prefix_groups(host_tables, self.seq_lens, block_size)
+        groups = find_prefix_groups(host_tables, self.seq_lens, block_size, item_size)
         return None if groups is None else groups.to_device(to_device)
 
 

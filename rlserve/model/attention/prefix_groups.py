@@ -11,6 +11,7 @@ so their block ids differ there and the shared prefix ends at the whole blocks b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,42 +28,51 @@ import torch
 MIN_SHARED_TOKENS = 64
 
 
+# Query rows of one prefix tile in the Triton kernel: members x G query heads. 64 rows make the prefix a real matmul
+# (a decode tile has 16 rows, mostly empty) while keeping a 128-dim head's fp32 accumulator at 32 KB per program.
+PREFIX_TILE_ROWS = 64
+
+
+def members_per_item(query_heads_per_kv_head: int) -> int:
+    """How many members one work item (one prefix tile) holds: a group larger than that is several items, each
+    reading the group's prefix once."""
+    return max(1, PREFIX_TILE_ROWS // query_heads_per_kv_head)
+
+
 @dataclass(frozen=True)
 class PrefixGroups:
-    """One decode step's groups: each a run of batch rows whose first shared_lens[g] context tokens sit in the same
-    physical blocks. Tensors are int32, on the host when built and on the step's device after `to_device`."""
+    """One decode step's groups: each a set of batch rows whose first shared_len context tokens sit in the same
+    physical blocks, cut into work items of at most `members_per_item` members (one prefix tile each). Tensors are
+    int32, on the host when built and on the step's device after `to_device`; a CUDA graph's copies are longer
+    (capacity), their unused items holding 0 members."""
 
-    member_rows: torch.Tensor  # [num_members] batch rows of the grouped sequences, group after group
-    group_starts: torch.Tensor  # [num_groups + 1] offsets of each group's members in member_rows
-    shared_lens: torch.Tensor  # [num_groups] tokens of each group's shared prefix (whole blocks)
+    member_rows: torch.Tensor  # [num_members] batch rows of the grouped sequences, item after item
+    items: torch.Tensor  # [num_items, 3]: (first index in member_rows, member count, shared_len in tokens)
     suffix_starts: torch.Tensor  # [batch] first context position a sequence attends to alone (0: ungrouped)
-    max_group_size: int  # host bounds, which size the kernels' launch grids
-    max_shared_len: int
-
-    @property
-    def num_groups(self) -> int:
-        return self.shared_lens.shape[0]
+    members_per_item: int
+    max_shared_len: int  # a host bound on shared_len
+    num_groups: int
 
     def to_device(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> PrefixGroups:
         """The same groups with each tensor passed through `copy` (the runner's host-to-device copy)."""
-        return PrefixGroups(
-            copy(self.member_rows),
-            copy(self.group_starts),
-            copy(self.shared_lens),
-            copy(self.suffix_starts),
-            self.max_group_size,
-            self.max_shared_len,
+        return dataclasses.replace(
+            self, member_rows=copy(self.member_rows), items=copy(self.items), suffix_starts=copy(self.suffix_starts)
         )
 
 
 def find_prefix_groups(
-    block_tables: torch.Tensor, seq_lens: list[int], block_size: int, min_shared_tokens: int = MIN_SHARED_TOKENS
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    block_size: int,
+    item_size: int,
+    min_shared_tokens: int = MIN_SHARED_TOKENS,
 ) -> PrefixGroups | None:
     """Group a decode step's sequences by the leading whole blocks their block tables share; None when no group of
     two or more shares at least `min_shared_tokens` (the step then takes the per-sequence path unchanged).
 
     block_tables: the step's [batch, columns] host table; seq_lens: each sequence's context length after this step's
-    key is stored. A block counts only when it lies wholly inside every member's context. Rows are sorted by their
+    key is stored; item_size: the members of one work item (members_per_item). A block counts only when it lies
+    wholly inside every member's context. Rows are sorted by their
     block ids, so that sequences sharing a prefix are neighbours, and cut into the groups that save the most reads
     (_most_saving_groups). Each sequence is in at most one group: one shared prefix per sequence.
     """
@@ -88,7 +98,7 @@ def find_prefix_groups(
         (order[first : last + 1], shared * block_size)
         for first, last, shared in _most_saving_groups(neighbour_shared, min_blocks)
     ]
-    return _pack(groups, batch) if groups else None
+    return _pack(groups, batch, item_size) if groups else None
 
 
 def _most_saving_groups(neighbour_shared: list[int], min_blocks: int) -> list[tuple[int, int, int]]:
@@ -124,18 +134,20 @@ def _most_saving_groups(neighbour_shared: list[int], min_blocks: int) -> list[tu
     return best[(0, len(neighbour_shared))][1]
 
 
-def _pack(groups: list[tuple[list[int], int]], batch: int) -> PrefixGroups:
+def _pack(groups: list[tuple[list[int], int]], batch: int, item_size: int) -> PrefixGroups:
     member_rows = [row for rows, _ in groups for row in rows]
-    starts = np.cumsum([0] + [len(rows) for rows, _ in groups]).tolist()
-    suffix_starts = [0] * batch
+    items, suffix_starts, first = [], [0] * batch, 0
     for rows, shared_len in groups:
+        for start in range(0, len(rows), item_size):
+            items.append((first + start, min(item_size, len(rows) - start), shared_len))
         for row in rows:
             suffix_starts[row] = shared_len
+        first += len(rows)
     return PrefixGroups(
         member_rows=torch.tensor(member_rows, dtype=torch.int32),
-        group_starts=torch.tensor(starts, dtype=torch.int32),
-        shared_lens=torch.tensor([shared_len for _, shared_len in groups], dtype=torch.int32),
+        items=torch.tensor(items, dtype=torch.int32),
         suffix_starts=torch.tensor(suffix_starts, dtype=torch.int32),
-        max_group_size=max(len(rows) for rows, _ in groups),
+        members_per_item=item_size,
         max_shared_len=max(shared_len for _, shared_len in groups),
+        num_groups=len(groups),
     )

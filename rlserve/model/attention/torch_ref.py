@@ -83,8 +83,9 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_decode_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decode attention split as the grouped Triton path splits it: each group's shared prefix attended once by all
-    its members' queries together, each sequence's own keys after it alone, the two merged by log-sum-exp."""
+    """Decode attention split as the grouped Triton path splits it: each group's shared prefix attended once per
+    work item by its members' queries together, each sequence's own keys after it alone, the two merged by
+    log-sum-exp."""
     groups = meta.prefix_groups
     block_size = k_cache.shape[1]
 
@@ -98,9 +99,10 @@ def grouped_decode_reference(q, k_cache, v_cache, meta: AttentionMetadata, scale
     ]
     own_out, own_lse = torch.cat([o for o, _ in own]), torch.cat([lse for _, lse in own])
     prefix_out, prefix_lse = torch.zeros_like(own_out), torch.full_like(own_lse, float("-inf"))
-    starts, members = groups.group_starts.tolist(), groups.member_rows.long()
-    for g, shared_len in enumerate(groups.shared_lens.tolist()):
-        rows = members[starts[g] : starts[g + 1]]
-        prefix_out[rows], prefix_lse[rows] = attend_with_lse(q[rows], *context(int(rows[0]), 0, shared_len), scale)
+    members = groups.member_rows.long()
+    for first, count, shared_len in groups.items.tolist():
+        if count:  # a CUDA graph's unused items hold none
+            rows = members[first : first + count]
+            prefix_out[rows], prefix_lse[rows] = attend_with_lse(q[rows], *context(int(rows[0]), 0, shared_len), scale)
     merged = merge_partials(torch.stack([own_out, prefix_out]), torch.stack([own_lse, prefix_lse]))
     return merged.to(q.dtype)

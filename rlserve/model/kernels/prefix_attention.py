@@ -1,14 +1,15 @@
 """Grouped decode attention: a shared prefix read once per group of sequences (Hydragen-style), over the paged cache.
 
 Sequences that share their leading KV blocks (found on the host: rlserve.model.attention.prefix_groups) split their
-decode attention in two. The prefix kernel runs one program per (group, kv head, member tile, prefix split): it
-stacks the G query heads of up to BLOCK_M // G members as the M rows of one matmul and streams the group's shared
-blocks once for all of them. Each sequence's own keys after the prefix (its whole context when ungrouped) go through
-the split-KV decode kernel with a per-sequence start. Both write partial outputs with their log-sum-exp into one
-buffer, and the decode reduce kernel merges every partial of a (sequence, head): the one merge formula.
+decode attention in two. The prefix kernel runs one program per (work item, kv head, prefix split), an item being up
+to BLOCK_M // G members of one group: it stacks their G query heads as the M rows of one matmul and streams the
+group's shared blocks once for all of them. Each sequence's own keys after the prefix (its whole context when
+ungrouped) go through the split-KV decode kernel with a per-sequence start. Both write partial outputs with their
+log-sum-exp into one buffer, and the decode reduce kernel merges every partial of a (sequence, head): the one merge
+formula.
 
 Launch grids come from host ints and tensor shapes only, as in paged_attention, so the wrapper never reads device
-memory on the host.
+memory on the host and a CUDA graph can capture it over fixed-capacity metadata (items of 0 members do nothing).
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ from rlserve.model.kernels.paged_attention import (
     _paged_decode_kernel,
 )
 
-# Rows of a prefix tile: members x G query heads. 64 rows make the prefix a real matmul (a decode tile has 16 rows,
-# mostly empty) while keeping the fp32 accumulator of a 128-dim head at 32 KB per program.
-_PREFIX_TILE_ROWS = 64
-
 
 @triton.jit(do_not_specialize=["stride_bt"])  # see paged_attention._paged_attention_kernel
 def _prefix_group_kernel(
@@ -46,8 +43,7 @@ def _prefix_group_kernel(
     part_out_ptr,
     part_lse_ptr,
     member_rows_ptr,
-    group_starts_ptr,
-    shared_lens_ptr,
+    items_ptr,
     block_tables_ptr,
     qk_scale,
     stride_qb,
@@ -71,32 +67,31 @@ def _prefix_group_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    group = tl.program_id(0)
+    item = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    member_tile = tl.program_id(2) // PREFIX_SPLITS
-    split = tl.program_id(2) % PREFIX_SPLITS
-    first_member = tl.load(group_starts_ptr + group)
-    num_members = tl.load(group_starts_ptr + group + 1) - first_member
-    if member_tile * MEMBERS_PER_TILE >= num_members:  # the grid fits the largest group; smaller ones stop here
+    split = tl.program_id(2)
+    first_member = tl.load(items_ptr + item * 3)
+    num_members = tl.load(items_ptr + item * 3 + 1)
+    if num_members == 0:  # an unused item of a CUDA graph's fixed capacity
         return
-    shared_len = tl.load(shared_lens_ptr + group)
+    shared_len = tl.load(items_ptr + item * 3 + 2)
     tiles_per_split = tl.cdiv(tl.cdiv(shared_len, BLOCK_N), PREFIX_SPLITS)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, shared_len)
     full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
 
-    # Row r of the tile: member member_tile * MEMBERS_PER_TILE + r // G of the group, query head kv_head * G + r % G.
+    # Row r of the tile is the item's member r // G, in query head kv_head * G + r % G.
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    member = member_tile * MEMBERS_PER_TILE + offs_m // G
+    member = offs_m // G
     head = kv_head * G + offs_m % G
-    row_valid = (offs_m < MEMBERS_PER_TILE * G) & (member < num_members)
+    row_valid = (offs_m < MEMBERS_PER_TILE * G) & (member < num_members)  # num_members <= MEMBERS_PER_TILE
     d_valid = offs_d < HEAD_DIM
     seq = tl.load(member_rows_ptr + first_member + member, mask=row_valid, other=0).to(tl.int64)
     q_off = seq[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptr + q_off, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
-    # Every member holds the prefix in the same blocks: the first member's block table serves the whole group.
+    # Every member holds the prefix in the same blocks: the first member's block table serves the whole item.
     first_seq = tl.load(member_rows_ptr + first_member).to(tl.int64)
     block_table_ptr = block_tables_ptr + first_seq * stride_bt
     k_head_ptr = k_cache_ptr + kv_head * stride_ch
@@ -134,10 +129,9 @@ def grouped_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     member_rows: torch.Tensor,
-    group_starts: torch.Tensor,
-    shared_lens: torch.Tensor,
+    items: torch.Tensor,
     suffix_starts: torch.Tensor,
-    max_group_size: int,
+    members_per_item: int,
     max_shared_len: int,
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
@@ -145,32 +139,32 @@ def grouped_decode_attention(
     prefix_splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (each sequence's one query, its key already stored) equal to
-    paged_decode_attention's, with each group's shared prefix read once for the group.
+    paged_decode_attention's, with each group's shared prefix read once per work item instead of once per sequence.
 
-    Group g's members are member_rows[group_starts[g]:group_starts[g + 1]] (int32 batch rows, at most max_group_size);
-    they share their first shared_lens[g] context tokens (whole blocks, at most max_shared_len) in the same physical
-    blocks. suffix_starts [B] is where each sequence's own keys begin: shared_lens of its group, 0 when ungrouped.
+    items [I, 3] int32: each work item's (first index into member_rows, member count <= members_per_item, shared
+    tokens <= max_shared_len); its members are batch rows member_rows[first:first + count] that hold their first
+    `shared` context tokens (whole blocks) in the same physical blocks. suffix_starts [B] is where each sequence's own
+    keys begin: its group's shared tokens, 0 when ungrouped (rlserve.model.attention.prefix_groups builds all three).
     num_splits splits each sequence's own keys as paged_decode_attention does (by default from the batch and
-    max_seq_len); prefix_splits splits the prefixes (by default from the groups and max_shared_len).
+    max_seq_len); prefix_splits splits the prefixes (by default from the items and max_shared_len).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, group = _check_attention_shapes(q, k_cache, v_cache, block_tables, batch)
-    num_groups = shared_lens.shape[0]
+    num_items = items.shape[0]
     if seq_lens.shape != (batch,) or suffix_starts.shape != (batch,):
         raise ValueError(f"seq_lens and suffix_starts must be [{batch}], got {seq_lens.shape}, {suffix_starts.shape}")
-    if group_starts.shape != (num_groups + 1,):
-        raise ValueError(f"group_starts must be [{num_groups + 1}], got {tuple(group_starts.shape)}")
+    if items.dim() != 2 or items.shape[1] != 3 or not items.is_contiguous():
+        raise ValueError(f"items must be a contiguous [num_items, 3], got {tuple(items.shape)}")
     out = _output_like(q, out)
     if batch == 0:
         return out
     block_size = k_cache.shape[1]
     max_seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
-    block_m = max(_PREFIX_TILE_ROWS, triton.next_power_of_2(group))
-    member_tiles = triton.cdiv(max_group_size, block_m // group)
+    block_m = max(16, triton.next_power_of_2(members_per_item * group))
     if num_splits is None:
         num_splits = _decode_num_splits(batch, num_kv_heads, max_seq_len, q.device)
     if prefix_splits is None:
-        prefix_splits = _prefix_num_splits(num_groups * member_tiles, num_kv_heads, max_shared_len, q.device)
+        prefix_splits = _prefix_num_splits(num_items, num_kv_heads, max_shared_len, q.device)
     num_partials = num_splits + prefix_splits
     block_n, num_warps, num_stages = _decode_config(head_dim, q.element_size())
     block_d = triton.next_power_of_2(head_dim)
@@ -188,11 +182,11 @@ def grouped_decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, HAS_START=True,
         NUM_PARTIALS=num_partials, **common,
     )  # fmt: skip
-    if num_groups:
-        _prefix_group_kernel[(num_groups, num_kv_heads, member_tiles * prefix_splits)](
-            q, k_cache, v_cache, part_out, part_lse, member_rows, group_starts, shared_lens, block_tables,
+    if num_items:
+        _prefix_group_kernel[(num_items, num_kv_heads, prefix_splits)](
+            q, k_cache, v_cache, part_out, part_lse, member_rows, items, block_tables,
             scale * _LOG2E, *q.stride(), *k_cache.stride(), block_tables.stride(0),
-            BLOCK_M=block_m, MEMBERS_PER_TILE=block_m // group, PREFIX_SPLITS=prefix_splits, FIRST_PARTIAL=num_splits,
+            BLOCK_M=block_m, MEMBERS_PER_TILE=members_per_item, PREFIX_SPLITS=prefix_splits, FIRST_PARTIAL=num_splits,
             NUM_PARTIALS=num_partials,
             **common,
         )  # fmt: skip
@@ -204,10 +198,10 @@ def grouped_decode_attention(
     return out
 
 
-def _prefix_num_splits(programs_per_kv_head: int, num_kv_heads: int, max_shared_len: int, device: torch.device) -> int:
-    """Split the prefixes only when (group, member tile, kv head) programs alone cannot fill the GPU about twice over
-    (a single group with a 4k prompt is 8 programs on a 132-SM GPU), as _decode_num_splits does for contexts."""
-    programs = max(1, programs_per_kv_head * num_kv_heads)
+def _prefix_num_splits(num_items: int, num_kv_heads: int, max_shared_len: int, device: torch.device) -> int:
+    """Split the prefixes only when (item, kv head) programs alone cannot fill the GPU about twice over (one group with
+    a 4k prompt is 8 programs on a 132-SM GPU), as _decode_num_splits does for contexts."""
+    programs = max(1, num_items * num_kv_heads)
     target = 2 * _num_sms(device)
     if programs >= target:
         return 1

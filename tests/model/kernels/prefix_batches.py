@@ -78,3 +78,15 @@ def reference_decode(batch: DecodeBatch, scale: float) -> torch.Tensor:
         scores = torch.einsum("hd,khd->hk", batch.q[row].double(), keys) * scale
         out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
     return out
+
+
+def group_rows(groups, block_tables: torch.Tensor, block_size: int) -> list[tuple[list[int], int]]:
+    """(sorted batch rows, shared tokens) of each group of a PrefixGroups, sorted: its items' members together (the
+    items of one group are those whose members hold the same prefix blocks)."""
+    members, by_prefix = groups.member_rows.tolist(), {}
+    for first, count, shared_len in groups.items.tolist():
+        rows = members[first : first + count]
+        prefix = tuple(block_tables[rows[0], : shared_len // block_size].tolist())
+        assert all(tuple(block_tables[r, : shared_len // block_size].tolist()) == prefix for r in rows)
+        by_prefix.setdefault(prefix, []).extend(rows)
+    return sorted((sorted(rows), len(prefix) * block_size) for prefix, rows in by_prefix.items())

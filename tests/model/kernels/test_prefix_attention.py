@@ -13,7 +13,7 @@ import torch
 
 interpret_helpers.require_triton()
 
-from prefix_batches import build_grouped_batch, reference_decode  # noqa: E402
+from prefix_batches import build_grouped_batch, group_rows, reference_decode  # noqa: E402
 
 from rlserve.model.attention.prefix_groups import find_prefix_groups  # noqa: E402
 from rlserve.model.kernels.paged_attention import paged_decode_attention  # noqa: E402
@@ -30,16 +30,15 @@ if not interpret_helpers.IN_PROCESS:
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def run_grouped(batch, scale, **splits) -> torch.Tensor:
-    groups = find_prefix_groups(batch.block_tables, batch.seq_lens.tolist(), batch.k_cache.shape[1])
-    starts, members = groups.group_starts.tolist(), groups.member_rows.tolist()
-    found = sorted(sorted(members[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True))
-    assert found == sorted(sorted(rows) for rows in batch.expected_groups)  # the path under test really groups
+def run_grouped(batch, scale, item_size, **splits) -> torch.Tensor:
+    groups = find_prefix_groups(batch.block_tables, batch.seq_lens.tolist(), batch.k_cache.shape[1], item_size)
+    found = [rows for rows, _ in group_rows(groups, batch.block_tables, batch.k_cache.shape[1])]
+    assert found == sorted(map(sorted, batch.expected_groups))  # the path under test really groups
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype)
     result = grouped_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, groups.member_rows,
-        groups.group_starts, groups.shared_lens, groups.suffix_starts, groups.max_group_size, groups.max_shared_len,
-        out=out, max_seq_len=256, **splits,
+        groups.items, groups.suffix_starts, groups.members_per_item, groups.max_shared_len, out=out, max_seq_len=256,
+        **splits,
     )  # fmt: skip
     assert result is out
     return out
@@ -56,24 +55,43 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 # has its own id, so it is not shared.
 @interpreted
 @pytest.mark.parametrize(
-    ("dtype", "group", "head_dim", "block_size", "groups", "alone", "splits"),
+    ("dtype", "group", "head_dim", "block_size", "groups", "alone", "item_size", "splits"),
     [
         # Two groups of different sizes and prefix lengths beside ungrouped rows and padding; one split each.
-        (torch.float32, 2, 32, 16, [(3, 4, [1, 17, 40]), (5, 9, [3, 16, 1, 33, 7])], [70, 0, 5], (1, 1)),
-        # A group larger than one prefix tile (20 members x G 4 > 64 rows), prefixes and contexts split in several.
-        (torch.bfloat16, 4, 64, 32, [(20, 5, list(range(1, 41, 2))), (2, 2, [30, 64])], [100], (3, 2)),
-        # G not a power of two, fp16, a 3-block prefix that is not a whole key tile; default splits.
-        (torch.float16, 3, 32, 32, [(4, 3, [2, 32, 9, 50])], [1, 130], (None, None)),
+        (torch.float32, 2, 32, 16, [(3, 4, [1, 17, 40]), (5, 9, [3, 16, 1, 33, 7])], [70, 0, 5], 32, (1, 1)),
+        # A group of 20 in two items (16 members x G 4 = 64 rows, and 4), prefixes and contexts split in several.
+        (torch.bfloat16, 4, 64, 32, [(20, 5, list(range(1, 41, 2))), (2, 2, [30, 64])], [100], 16, (3, 2)),
+        # G not a power of two, fp16, a 3-block prefix that is not a whole key tile, items of 3; default splits.
+        (torch.float16, 3, 32, 32, [(4, 3, [2, 32, 9, 50])], [1, 130], 3, (None, None)),
     ],
 )
-def test_grouped_decode_equals_per_sequence(dtype, group, head_dim, block_size, groups, alone, splits):
+def test_grouped_decode_equals_per_sequence(dtype, group, head_dim, block_size, groups, alone, item_size, splits):
     gen = torch.Generator().manual_seed(11)
     batch = build_grouped_batch(groups, alone, 2, group, head_dim, block_size, dtype, gen)
     scale = head_dim**-0.5
     num_splits, prefix_splits = splits
-    out = run_grouped(batch, scale, num_splits=num_splits, prefix_splits=prefix_splits)
+    out = run_grouped(batch, scale, item_size, num_splits=num_splits, prefix_splits=prefix_splits)
     assert_close(out, reference_decode(batch, scale), dtype)
     today = paged_decode_attention(
         batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, max_seq_len=256
     )
     assert_close(out, today.double(), dtype)
+
+
+@interpreted
+def test_unused_items_of_a_graph_capacity_do_nothing():
+    """A CUDA graph's metadata has room for one item per sequence: the step's items first, then items of 0 members,
+    which must neither write nor change anything (the unused partial slots are merged as empty)."""
+    gen = torch.Generator().manual_seed(12)
+    batch = build_grouped_batch([(3, 4, [1, 17, 40]), (2, 5, [9, 20])], [70, 0], 2, 2, 32, 16, torch.float32, gen)
+    groups = find_prefix_groups(batch.block_tables, batch.seq_lens.tolist(), 16, 32)
+    capacity = batch.q.shape[0]
+    items = torch.zeros((capacity, 3), dtype=torch.int32)
+    items[: groups.items.shape[0]] = groups.items
+    members = torch.zeros(capacity, dtype=torch.int32)
+    members[: groups.member_rows.shape[0]] = groups.member_rows
+    out = grouped_decode_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, 0.2, members, items,
+        groups.suffix_starts, 32, 256, max_seq_len=256,
+    )  # fmt: skip
+    assert_close(out, reference_decode(batch, 0.2), torch.float32)

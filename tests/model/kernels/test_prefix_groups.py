@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prefix_batches import build_grouped_batch, reference_decode
+from prefix_batches import build_grouped_batch, group_rows, reference_decode
 
 from rlserve.model.attention import AttentionMetadata
 from rlserve.model.attention.prefix_groups import MIN_SHARED_TOKENS, find_prefix_groups
 from rlserve.model.attention.torch_ref import TorchReferenceBackend, attend_with_lse, merge_partials
 
 
-def found(groups) -> list[tuple[list[int], int]]:
-    """(sorted member rows, shared tokens) of each group, sorted."""
-    starts, members, shared = groups.group_starts.tolist(), groups.member_rows.tolist(), groups.shared_lens.tolist()
-    return sorted((sorted(members[a:b]), s) for a, b, s in zip(starts[:-1], starts[1:], shared, strict=True))
+def found(block_tables: torch.Tensor, seq_lens: list[int], item_size: int = 64) -> list[tuple[list[int], int]]:
+    """(sorted member rows, shared tokens) of each group find_prefix_groups finds, sorted ([] for None); checks that
+    every item holds 1..item_size members."""
+    groups = find_prefix_groups(block_tables, seq_lens, 16, item_size)
+    if groups is None:
+        return []
+    assert all(0 < count <= item_size for _, count, _ in groups.items.tolist())
+    return group_rows(groups, block_tables, 16)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -31,17 +35,18 @@ def test_random_groups_are_found_with_their_whole_shared_blocks(seed):
         spec.append((members, shared, torch.randint(1, 60, (members,), generator=gen).tolist()))  # ragged, mid-block
     alone = torch.randint(0, 200, (3,), generator=gen).tolist()
     batch = build_grouped_batch(spec, alone, 1, 1, 4, block_size, torch.float32, gen)
-    groups = find_prefix_groups(batch.block_tables, batch.seq_lens.tolist(), block_size)
+    item_size = int(torch.randint(1, 9, (1,), generator=gen))  # groups of up to 8 in one or several items
+    groups = find_prefix_groups(batch.block_tables, batch.seq_lens.tolist(), block_size, item_size)
     expected = sorted(
         (sorted(rows), shared * block_size) for rows, (_, shared, _) in zip(batch.expected_groups, spec, strict=True)
     )
-    assert found(groups) == expected
-    suffix_starts = [0] * len(alone + [0] * sum(m for m, _, _ in spec))
+    assert found(batch.block_tables, batch.seq_lens.tolist(), item_size) == expected
+    suffix_starts = [0] * batch.q.shape[0]
     for rows, shared_len in expected:
         for row in rows:
             suffix_starts[row] = shared_len
     assert groups.suffix_starts.tolist() == suffix_starts
-    assert groups.max_group_size == max(m for m, _, _ in spec)
+    assert groups.num_groups == len(spec) and groups.members_per_item == item_size
     assert groups.max_shared_len == max(s for _, s in expected)
 
 
@@ -55,17 +60,16 @@ def tables(*rows: list[int], columns: int = 12) -> torch.Tensor:
 
 def test_divergence_mid_block_shares_the_whole_blocks_before():
     # Two samples agree on 5 blocks and 7 more tokens: the 6th block is each one's own copy (ids 6 and 7).
-    groups = find_prefix_groups(tables([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]), [5 * 16 + 9, 5 * 16 + 12], 16)
-    assert found(groups) == [([0, 1], 80)]
-    assert groups.suffix_starts.tolist() == [80, 80]
+    table, seq_lens = tables([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]), [5 * 16 + 9, 5 * 16 + 12]
+    assert found(table, seq_lens) == [([0, 1], 80)]
+    assert find_prefix_groups(table, seq_lens, 16, 64).suffix_starts.tolist() == [80, 80]
 
 
 def test_a_block_counts_only_when_wholly_inside_every_context():
     # Same ids in every column, but the 5th block is not full for the first sequence (70 tokens = 4 blocks + 6).
-    groups = find_prefix_groups(tables([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]), [70, 80], 16)
-    assert found(groups) == [([0, 1], 64)]
+    assert found(tables([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]), [70, 80]) == [([0, 1], 64)]
     # On a block boundary both contexts hold the 5th block whole.
-    assert found(find_prefix_groups(tables([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]), [80, 81], 16)) == [([0, 1], 80)]
+    assert found(tables([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]), [80, 81]) == [([0, 1], 80)]
 
 
 def test_groups_under_a_common_system_prompt_keep_their_own_prompts():
@@ -79,18 +83,18 @@ def test_groups_under_a_common_system_prompt_keep_their_own_prompts():
     rows = first + second + later_turn
     seq_lens = [len(r) * 16 - 3 for r in rows]
     expected = [([0, 1, 2], 128), ([3, 4, 5, 6], 112)]
-    assert found(find_prefix_groups(tables(*rows), seq_lens, 16)) == expected
+    assert found(tables(*rows), seq_lens) == expected
     # The same rows in another order make the same groups.
     perm = [6, 2, 4, 0, 5, 3, 1]
-    groups = find_prefix_groups(tables(*[rows[i] for i in perm]), [seq_lens[i] for i in perm], 16)
-    assert sorted((sorted(perm[i] for i in rows), shared) for rows, shared in found(groups)) == expected
+    permuted = found(tables(*[rows[i] for i in perm]), [seq_lens[i] for i in perm])
+    assert sorted((sorted(perm[i] for i in rows), shared) for rows, shared in permuted) == expected
 
 
 def test_no_group_below_the_minimum_prefix_or_alone():
     short = MIN_SHARED_TOKENS // 16 - 1
-    assert find_prefix_groups(tables(list(range(short)) + [50], list(range(short)) + [51]), [100, 100], 16) is None
-    assert find_prefix_groups(tables([1, 2, 3, 4, 5]), [80], 16) is None  # one sequence
-    assert find_prefix_groups(tables([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), [80, 80], 16) is None  # nothing shared
+    assert find_prefix_groups(tables(list(range(short)) + [50], list(range(short)) + [51]), [100, 100], 16, 8) is None
+    assert find_prefix_groups(tables([1, 2, 3, 4, 5]), [80], 16, 8) is None  # one sequence
+    assert find_prefix_groups(tables([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), [80, 80], 16, 8) is None  # nothing shared
 
 
 def test_merge_of_disjoint_parts_equals_attention_over_all_keys():
@@ -121,8 +125,8 @@ def test_reference_backend_split_equals_its_per_sequence_attention():
         query_lens_cpu=[1] * len(seq_lens),
         seq_lens_cpu=seq_lens,
     )
-    groups = find_prefix_groups(batch.block_tables, seq_lens, 16)
-    assert groups is not None and groups.num_groups == 2
+    groups = find_prefix_groups(batch.block_tables, seq_lens, 16, 3)  # the group of 4 in two items
+    assert groups is not None and groups.num_groups == 2 and groups.items.shape[0] == 3
     backend, k_new = TorchReferenceBackend(), torch.zeros(len(seq_lens), 2, 16)
     plain = backend.forward(batch.q, k_new, k_new, batch.k_cache, batch.v_cache, meta, 0.25)
     meta.prefix_groups = groups
