@@ -34,6 +34,10 @@ from rlserve.model.kernels.paged_attention import (
     _paged_decode_kernel,
 )
 
+# The prefix tile holds 4x the decode tile's query rows, so its K/V pipeline keeps 2 tiles in flight, not 3: 2 x 64 KB
+# of 128-key bf16 K and V tiles fit an H100/H200's shared memory beside the tile math. Not tuned yet (no GPU run).
+_PREFIX_STAGES = 2
+
 
 @triton.jit(do_not_specialize=["stride_bt"])  # see paged_attention._paged_attention_kernel
 def _prefix_group_kernel(
@@ -174,21 +178,19 @@ def grouped_decode_attention(
     common = dict(
         G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype), DOT_UPCAST=dot_upcast(q.dtype), num_warps=num_warps,
-        num_stages=num_stages,
     )  # fmt: skip
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, seq_lens, suffix_starts, block_tables, scale * _LOG2E,
         *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
         BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, HAS_START=True,
-        NUM_PARTIALS=num_partials, **common,
+        NUM_PARTIALS=num_partials, num_stages=num_stages, **common,
     )  # fmt: skip
     if num_items:
         _prefix_group_kernel[(num_items, num_kv_heads, prefix_splits)](
             q, k_cache, v_cache, part_out, part_lse, member_rows, items, block_tables,
             scale * _LOG2E, *q.stride(), *k_cache.stride(), block_tables.stride(0),
             BLOCK_M=block_m, MEMBERS_PER_TILE=members_per_item, PREFIX_SPLITS=prefix_splits, FIRST_PARTIAL=num_splits,
-            NUM_PARTIALS=num_partials,
-            **common,
+            NUM_PARTIALS=num_partials, num_stages=_PREFIX_STAGES, **common,
         )  # fmt: skip
     _decode_reduce_kernel[(batch, num_heads)](
         part_out, part_lse, out, *out.stride(),
