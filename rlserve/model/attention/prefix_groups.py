@@ -72,9 +72,9 @@ def find_prefix_groups(
 
     block_tables: the step's [batch, columns] host table; seq_lens: each sequence's context length after this step's
     key is stored; item_size: the members of one work item (members_per_item). A block counts only when it lies
-    wholly inside every member's context. Rows are sorted by their
-    block ids, so that sequences sharing a prefix are neighbours, and cut into the groups that save the most reads
-    (_most_saving_groups). Each sequence is in at most one group: one shared prefix per sequence.
+    wholly inside every member's context. Rows are sorted by their block ids, so that sequences sharing a prefix are
+    neighbours, and cut into the groups that save the most reads (_most_saving_groups). Each sequence is in at most
+    one group: one shared prefix per sequence.
     """
     batch = len(seq_lens)
     whole_blocks = np.asarray(seq_lens, dtype=np.int64) // block_size
@@ -92,17 +92,41 @@ def find_prefix_groups(
     # different rows does not matter), at a fraction of a lexsort's cost on long tables.
     order = np.argsort(table.view(np.dtype((np.void, table.itemsize * (width + 1)))).ravel())
     ordered = table[order]
-    neighbour_shared = np.argmin(ordered[1:] == ordered[:-1], axis=1).tolist()  # leading equal blocks of each pair
-    order = order.tolist()
-    groups = [
-        (order[first : last + 1], shared * block_size)
-        for first, last, shared in _most_saving_groups(neighbour_shared, min_blocks)
-    ]
-    return _pack(groups, batch, item_size) if groups else None
+    neighbour_shared = np.argmin(ordered[1:] == ordered[:-1], axis=1)  # leading equal blocks of each sorted pair
+    runs = _most_saving_groups(neighbour_shared, min_blocks)
+    if not runs:
+        return None
+    return _pack(order, np.array(runs, dtype=np.int64).reshape(-1, 3), batch, block_size, item_size)
 
 
-def _most_saving_groups(neighbour_shared: list[int], min_blocks: int) -> list[tuple[int, int, int]]:
+def _most_saving_groups(neighbour_shared: np.ndarray, min_blocks: int) -> list[tuple[int, int, int]]:
     """(first, last, shared blocks) of the groups, as runs of the sorted rows, that save the most block reads.
+
+    Rows whose neighbours share fewer than min_blocks never group across that pair, which cuts the batch into
+    independent runs; a run whose neighbours all share the same count is one group (a GRPO group's samples, the
+    common case, found without a Python loop over rows); any other run is chosen by _best_split_of_run."""
+    cut = np.flatnonzero(neighbour_shared < min_blocks)
+    firsts, lasts = np.r_[0, cut + 1], np.r_[cut, len(neighbour_shared)]
+    keep = lasts > firsts  # a run of at least two rows
+    firsts, lasts = firsts[keep], lasts[keep]
+    if not len(firsts):
+        return []
+    bounds = np.column_stack([firsts, lasts]).ravel()  # each run's pairs are neighbour_shared[first:last]
+    padded = np.append(neighbour_shared, 0)
+    lows = np.minimum.reduceat(padded, bounds)[::2]
+    highs = np.maximum.reduceat(padded, bounds)[::2]
+    groups = []
+    for first, last, low, high in zip(firsts.tolist(), lasts.tolist(), lows.tolist(), highs.tolist(), strict=True):
+        if low == high:
+            groups.append((first, last, low))
+        else:
+            run = neighbour_shared[first:last].tolist()
+            groups += [(first + a, first + b, shared) for a, b, shared in _best_split_of_run(run, min_blocks)]
+    return groups
+
+
+def _best_split_of_run(neighbour_shared: list[int], min_blocks: int) -> list[tuple[int, int, int]]:
+    """The groups (first, last, shared blocks) of one run of sorted rows that save the most block reads.
 
     neighbour_shared[i]: the leading blocks sorted rows i and i + 1 share. A run of rows shares the smallest of its
     neighbours' counts, m; grouped at m it saves (rows - 1) * m reads (only when m >= min_blocks). Otherwise it splits
@@ -134,20 +158,26 @@ def _most_saving_groups(neighbour_shared: list[int], min_blocks: int) -> list[tu
     return best[(0, len(neighbour_shared))][1]
 
 
-def _pack(groups: list[tuple[list[int], int]], batch: int, item_size: int) -> PrefixGroups:
-    member_rows = [row for rows, _ in groups for row in rows]
-    items, suffix_starts, first = [], [0] * batch, 0
-    for rows, shared_len in groups:
-        for start in range(0, len(rows), item_size):
-            items.append((first + start, min(item_size, len(rows) - start), shared_len))
-        for row in rows:
-            suffix_starts[row] = shared_len
-        first += len(rows)
+def _pack(order: np.ndarray, runs: np.ndarray, batch: int, block_size: int, item_size: int) -> PrefixGroups:
+    """The groups' tensors from their runs [G, 3] (first, last, shared blocks) over the rows sorted by `order`."""
+    sizes = runs[:, 1] - runs[:, 0] + 1
+    shared_lens = runs[:, 2] * block_size
+    starts = np.cumsum(sizes) - sizes  # each group's first index in member_rows
+    member_rows = order[np.arange(sizes.sum()) - np.repeat(starts - runs[:, 0], sizes)]
+    suffix_starts = np.zeros(batch, dtype=np.int32)
+    suffix_starts[member_rows] = np.repeat(shared_lens, sizes)
+    # Each group in items of item_size members, the last one holding the rest.
+    item_counts = -(-sizes // item_size)
+    item_group = np.repeat(np.arange(len(runs)), item_counts)
+    within = (np.arange(item_counts.sum()) - np.repeat(np.cumsum(item_counts) - item_counts, item_counts)) * item_size
+    items = np.column_stack(
+        [starts[item_group] + within, np.minimum(item_size, sizes[item_group] - within), shared_lens[item_group]]
+    )
     return PrefixGroups(
-        member_rows=torch.tensor(member_rows, dtype=torch.int32),
-        items=torch.tensor(items, dtype=torch.int32),
-        suffix_starts=torch.tensor(suffix_starts, dtype=torch.int32),
+        member_rows=torch.from_numpy(member_rows.astype(np.int32)),
+        items=torch.from_numpy(items.astype(np.int32)),
+        suffix_starts=torch.from_numpy(suffix_starts),
         members_per_item=item_size,
-        max_shared_len=max(shared_len for _, shared_len in groups),
-        num_groups=len(groups),
+        max_shared_len=int(shared_lens.max()),
+        num_groups=len(runs),
     )
