@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with padded static inputs.
+"""CUDA graphs for decode steps: one graph per batch-size bucket (two with grouped_prefix_attention: today's decode
+and the grouped one), replayed with padded static inputs.
 
 Padding rows write nowhere (slot -1) and attend to nothing (seq_len 0). Graphs read the model's parameters by address,
 so weight updates must write in place (the loader does) and the graphs stay valid across updates. The LM head and the
@@ -57,8 +58,9 @@ class DecodeCUDAGraphs:
         if prefix_members_per_item is not None:
             zeros = torch.zeros(n, dtype=torch.int32, device=device)
             items = torch.zeros((n, 3), dtype=torch.int32, device=device)
-            # Bounded by the context limit, so the prefix kernels split as for any step of this engine.
+            # max_shared_len: the context limit bounds every prefix, so one prefix split count serves every replay.
             self.prefix_groups = PrefixGroups(zeros, items, zeros.clone(), prefix_members_per_item, max_seq_len, 0)
+        dtype = model.lm_head.weight.dtype
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph's default capture stream is created once per process, on whichever device was current
@@ -71,9 +73,7 @@ class DecodeCUDAGraphs:
 
                     def forward(bs: int = bs, ctx: ForwardContext = ctx) -> torch.Tensor:
                         if self.lora_mapping is not None:  # computed inside the graph from the slot input
-                            ctx.lora_mask = lora_mask(
-                                self.lora_mapping[:bs], num_lora_slots, model.lm_head.weight.dtype
-                            )
+                            ctx.lora_mask = lora_mask(self.lora_mapping[:bs], num_lora_slots, dtype)
                         return model(self.input_ids[:bs], self.positions[:bs], ctx)
 
                     forward()  # compile kernels outside the capture

@@ -10,7 +10,12 @@ import torch
 from prefix_batches import build_grouped_batch, group_rows, reference_decode
 
 from rlserve.model.attention import AttentionMetadata
-from rlserve.model.attention.prefix_groups import MIN_SHARED_TOKENS, find_prefix_groups
+from rlserve.model.attention.prefix_groups import (
+    MIN_SHARED_TOKENS,
+    _best_split_of_run,
+    _most_saving_groups,
+    find_prefix_groups,
+)
 from rlserve.model.attention.torch_ref import TorchReferenceBackend, attend_with_lse, merge_partials
 
 
@@ -134,3 +139,14 @@ def test_reference_backend_split_equals_its_per_sequence_attention():
     ref = reference_decode(batch, 0.25).float()
     torch.testing.assert_close(grouped, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("min_blocks", [1, 2, 4])
+def test_the_numpy_cut_chooses_what_the_full_walk_chooses(min_blocks):
+    """_most_saving_groups takes runs of equal sharing whole and walks only the others: it returns the groups the
+    walk over the whole batch chooses (pairs sharing less than the minimum can never be inside a group). Random
+    neighbour counts stand for any sorted batch (every such sequence is some sorted set of block tables')."""
+    gen = torch.Generator().manual_seed(min_blocks)
+    for _ in range(50):
+        pairs = torch.randint(0, 8, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).numpy()
+        assert _most_saving_groups(pairs, min_blocks) == _best_split_of_run(pairs.tolist(), min_blocks)
