@@ -22,7 +22,7 @@ import torch
 # head, each member but one no longer reads the prefix's K and V (bf16: 4D bytes per token); every member writes two
 # partial results per query head instead of one output (prefix and suffix: fp32 output and lse, ~4D bytes each) which
 # the merge reads back, ~16D * G bytes per member. Grouping m members pays from prefix_len >= 4G * m / (m - 1)
-# tokens on: at most 8G, 64 tokens for G = 8 (the largest query-per-kv-head ratio of the models served). The extra
+# tokens on: at most 8G, 64 tokens for G = 8 (Qwen3-30B-A3B's 32 / 4; Qwen3-0.6B to 8B have 2 to 4). The extra
 # kernel launch per layer (a few microseconds) is paid only by steps that have a group at all. A floor from bytes,
 # not a tuned figure: the GPU measurement of issue 34 is pending.
 MIN_SHARED_TOKENS = 64
