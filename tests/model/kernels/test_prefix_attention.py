@@ -15,7 +15,10 @@ interpret_helpers.require_triton()
 
 from prefix_batches import build_grouped_batch, group_rows, reference_decode  # noqa: E402
 
+from rlserve.model.attention import AttentionMetadata  # noqa: E402
 from rlserve.model.attention.prefix_groups import find_prefix_groups  # noqa: E402
+from rlserve.model.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from rlserve.model.attention.triton_backend import TritonBackend  # noqa: E402
 from rlserve.model.kernels.paged_attention import paged_decode_attention  # noqa: E402
 from rlserve.model.kernels.prefix_attention import grouped_decode_attention  # noqa: E402
 
@@ -95,3 +98,28 @@ def test_unused_items_of_a_graph_capacity_do_nothing():
         groups.suffix_starts, 32, 256, max_seq_len=256,
     )  # fmt: skip
     assert_close(out, reference_decode(batch, 0.2), torch.float32)
+
+
+@interpreted
+def test_the_triton_backend_runs_the_groups_it_is_given():
+    """The backend the engine uses on CUDA takes AttentionMetadata.prefix_groups to the grouped kernels, and equals the
+    CPU reference backend's split of the same step."""
+    gen = torch.Generator().manual_seed(13)
+    batch = build_grouped_batch([(3, 4, [1, 17, 40]), (2, 5, [9, 20])], [70, 0], 2, 2, 32, 16, torch.float32, gen)
+    seq_lens = batch.seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((len(seq_lens),), -1, dtype=torch.long),  # the keys are in the cache already
+        cu_seqlens_q=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        max_seqlen_q=1,
+        max_seq_len=256,
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=seq_lens,
+        prefix_groups=find_prefix_groups(batch.block_tables, seq_lens, 16, 2),  # items of 2: the group of 3 in two
+    )
+    k_new = torch.zeros(len(seq_lens), 2, 32)
+    out = TritonBackend().forward(batch.q, k_new, k_new, batch.k_cache, batch.v_cache, meta, 0.3)
+    expected = TorchReferenceBackend().forward(batch.q, k_new, k_new, batch.k_cache, batch.v_cache, meta, 0.3)
+    assert_close(out, expected, torch.float32)
+    assert_close(out, reference_decode(batch, 0.3), torch.float32)
