@@ -1,7 +1,7 @@
 """Check and time rlserve's Triton paged-attention kernels on a GPU (written for an H200). From the repo root
 (prefix PYTHONPATH=. when rlserve is not pip-installed):
 
-    python benchmarks/attention_kernels.py            # checks, decode / prefill / store timings, CUDA-graph replay
+    python benchmarks/attention_kernels.py            # checks, decode (also grouped) / prefill / store timings, graphs
     python benchmarks/attention_kernels.py --quick    # fewer sizes
     python benchmarks/attention_kernels.py --sweep    # also time tile configs of both kernels, best first
 
@@ -55,6 +55,14 @@ def kernels():
     from rlserve.model.kernels import paged_attention
 
     return paged_attention
+
+
+@functools.cache
+def prefix_kernels():
+    """The grouped decode kernels (grouped_prefix_attention), imported on first use as kernels() is."""
+    from rlserve.model.kernels import prefix_attention
+
+    return prefix_attention
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -216,6 +224,48 @@ def run_decode(name: str, batch_size: int, lo: int, hi: int, rows: list[Row]) ->
     ms = bench(lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True))
     padded_bytes = 2 * keys.numel() * keys.element_size() + 2 * query.numel() * query.element_size()
     rows.append(Row(name, "torch SDPA (padded)", ms, gbps=padded_bytes / ms / 1e6))
+
+
+def run_grouped_decode(name: str, num_groups: int, members: int, prefix_len: int, rows: list[Row]) -> None:
+    """A GRPO decode step: num_groups groups of `members` sequences sharing a prefix_len-token prompt (whole blocks),
+    each with 1-256 tokens of its own. Today's decode kernel reads every prompt once per member; the grouped kernels
+    once per group (per work item). GB/s is over the bytes the step must move when each prompt is read once."""
+    from rlserve.model.attention.prefix_groups import find_prefix_groups, members_per_item
+
+    gen = torch.Generator().manual_seed(members)
+    own = torch.randint(1, 257, (num_groups * members,), generator=gen).tolist()
+    batch = make_batch([(1, prefix_len + n) for n in own], seed=members)
+    shared_blocks = prefix_len // BLOCK_SIZE
+    prompt_blocks = batch.block_tables[::members, :shared_blocks]  # each group's first member's blocks hold its prompt
+    batch.block_tables[:, :shared_blocks] = prompt_blocks.repeat_interleave(members, 0)
+    item_size = members_per_item(HQ // HKV)
+    groups = find_prefix_groups(batch.block_tables.cpu(), batch.ctx_lens, BLOCK_SIZE, item_size)
+    groups = groups.to_device(lambda t: t.cuda())
+    scale = HEAD_DIM**-0.5
+    ref = reference(batch, scale)
+    elem = batch.k_cache.element_size()
+    nbytes = (num_groups * prefix_len + sum(own)) * HKV * HEAD_DIM * 2 * elem + 2 * batch.q.numel() * elem
+    out = torch.empty_like(batch.q)
+    bound = prefix_len + 256
+
+    def today() -> None:
+        kernels().paged_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, out=out, max_seq_len=bound
+        )
+
+    def grouped() -> None:
+        prefix_kernels().grouped_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, scale, groups.member_rows,
+            groups.items, groups.suffix_starts, groups.members_per_item, groups.max_shared_len, out=out,
+            max_seq_len=bound,
+        )  # fmt: skip
+
+    for label, fn in (("decode kernel (today)", today), (f"grouped ({groups.items.shape[0]} items)", grouped)):
+        out.fill_(float("nan"))
+        fn()
+        err = rel_error(out, ref)
+        ms = bench(fn)
+        rows.append(Row(name, label, ms, err, gbps=nbytes / ms / 1e6))
 
 
 def run_prefill(name: str, lens: list[tuple[int, int]], rows: list[Row]) -> None:
@@ -428,6 +478,11 @@ def main() -> None:
         decode_cases += [("decode B=1024 ctx 256-512 (W1)", 1024, 256, 512), ("decode B=8 ctx 4k-8k", 8, 4096, 8192)]
     for case in decode_cases:
         run_decode(*case, rows)
+    grouped_cases = [("W2 decode 128x8 @ 512", 128, 8, 512), ("W2 decode 32x32 @ 512", 32, 32, 512)]
+    if not args.quick:
+        grouped_cases += [("long decode 64x16 @ 4096", 64, 16, 4096)]
+    for case in grouped_cases:
+        run_grouped_decode(*case, rows)
     prefill_cases = [("prefill 8x512", [(512, 512)] * 8), ("chunked 8x512 @ ctx 2048", [(512, 2048)] * 8)]
     if not args.quick:
         prefill_cases += [

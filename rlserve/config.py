@@ -224,6 +224,13 @@ class EngineConfig:
         "do not depend on what else runs, and equal rlserve's trainer-side forward (rlserve.rl.train_forward) bit "
         "for bit; slower",
     )
+    grouped_prefix_attention: bool = _option(
+        False,
+        "decode attention reads the KV blocks that sequences share at the start of their context (a GRPO group's "
+        "prompt, a conversation's earlier turns) once per step for the whole group, merging by log-sum-exp "
+        "(Hydragen-style; same results within rounding; a second decode CUDA graph per batch size); off by default "
+        "until measured on a GPU; not with batch_invariant or tensor_parallel_size > 1",
+    )
     enable_return_routed_experts: bool = _option(
         False,
         "return, with each finished sample, the experts a MoE model's router chose for each token and layer (vLLM's "
@@ -328,7 +335,8 @@ class EngineConfig:
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         self._apply_quantization()
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "stream_interval"):
+        positive_counts = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "stream_interval")
+        for name in (*positive_counts, "tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1 and name != "max_logprobs":  # None: the device's default
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -340,10 +348,6 @@ class EngineConfig:
             raise ValueError(f"weight_transfer_timeout_s must be > 0, got {self.weight_transfer_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank must be in 0..{self.data_parallel_size - 1}, got {self.data_parallel_rank}"
@@ -386,6 +390,7 @@ class EngineConfig:
             for name in ("tensor_parallel_size", "data_parallel_size"):
                 if getattr(self, name) > 1:
                     raise ValueError(f"enable_lora: not with {name} > 1 yet (adapters live on one rank)")
+        self._check_grouped_prefix_attention()
         if self.data_parallel_sync_interval < 1:
             raise ValueError(f"data_parallel_sync_interval must be >= 1, got {self.data_parallel_sync_interval}")
         if not self.data_parallel_lockstep:
@@ -399,6 +404,20 @@ class EngineConfig:
             raise ValueError(
                 f"device: data-parallel core {self.data_parallel_rank} runs on cuda:{first_gpu}, not {self.device}; "
                 "give device cuda and pick the GPUs with CUDA_VISIBLE_DEVICES"
+            )
+
+    def _check_grouped_prefix_attention(self) -> None:
+        if not self.grouped_prefix_attention:
+            return
+        if self.batch_invariant:
+            raise ValueError(
+                "grouped_prefix_attention: not with batch_invariant (splitting a sequence's keys into a shared prefix "
+                "and its own part changes the order of its sums, so its bits would depend on the batch)"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "grouped_prefix_attention: not with tensor_parallel_size > 1 yet (the groups are found on rank 0 and "
+                "are not sent to the other ranks)"
             )
 
     def _apply_quantization(self) -> None:

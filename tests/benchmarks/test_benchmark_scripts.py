@@ -57,6 +57,11 @@ SMOKE = {
         + ["--cpu-threads", "1"],
         "| server",
     ),
+    "prefix_attention.py": (  # the long workload's 128-token prompts group; W2's at this scale are too short to
+        ["--device", "cpu", "--preset", "tiny", "--scale", "0.005", "--repeats", "1", "--long-prompts", "2"]
+        + ["--long-prompt-len", "128", "--long-output-len", "8"],
+        "| long |",
+    ),
     "control_plane_load.py": (
         ["--clients", "8", "--client-processes", "1", "--cycles", "3", "--update-cycles", "1", "--kill-cycle", "2"]
         + ["--hold-s", "0.2"],

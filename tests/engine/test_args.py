@@ -76,6 +76,7 @@ def test_every_field_round_trips_through_its_flag() -> None:
     # Refused with tensor_parallel_size 3; its pair of flags is test_booleans_have_a_pair_of_flags's.
     kwargs["enable_expert_parallel"] = False
     kwargs["enable_lora"] = False  # likewise
+    kwargs["grouped_prefix_attention"] = False  # refused with batch_invariant (and tensor_parallel_size 3); likewise
     # fp8 is refused with batch_invariant; this one sets dtype bfloat16 (and lm_head_dtype float32, as given).
     kwargs["quantization"], kwargs["dtype"] = "bf16_last_layer_fp32", "bfloat16"
     parsed = parse(*engine_flags(**kwargs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from rlserve.engine.worker.step_inputs import StepHeader, StepInputs, follower_h
 from rlserve.engine.worker.step_outputs import LaunchedStep, RunnerOutput
 from rlserve.engine.worker.warm_up import dummy_sequence_meta, peak_memory_run, warm_up
 from rlserve.lora.peft import PEFTAdapter
-from rlserve.model.attention import AttentionMetadata, create_attention_backend
+from rlserve.model.attention import AttentionMetadata, PrefixGroups, create_attention_backend, members_per_item
 from rlserve.model.forward_context import ForwardContext
 from rlserve.model.loader import load_model
 from rlserve.model.lora import lora_mask
@@ -91,6 +92,9 @@ class ModelRunner:
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.fp32_head = config.lm_head_dtype == "float32"
         self.backend = create_attention_backend(config.attention_backend, self.device, config.batch_invariant)
+        # Set: decode steps read a prefix that sequences share once per work item of this many (AttentionMetadata).
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        self.prefix_item_size = members_per_item(group) if config.grouped_prefix_attention else None
         self.model.set_batch_invariant(config.batch_invariant)
         self.sampler = Sampler(config.logprobs_mode, batch_invariant=config.batch_invariant)
         # Unfinished requests with penalties, logit bias or token masks: while none is, a step builds nothing for them.
@@ -184,6 +188,7 @@ class ModelRunner:
                 self.device,
                 self._routed_rows,
                 self.num_lora_slots,
+                self.prefix_item_size,
             )
 
     @property
@@ -291,10 +296,11 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, prev: LaunchedStep | None) -> torch.Tensor:
         """Copy the inputs to the device (placeholders filled from `prev`'s sampled ids there), hand them to the
         other tensor-parallel ranks, and run the decoder."""
-        max_seq_len = max(inputs.seq_lens)
-        block_tables = self._to_device(
-            self.block_table_buffer.gather(inputs.block_table_rows, -(-max_seq_len // self.block_size))
-        )
+        num_blocks = -(-max(inputs.seq_lens) // self.block_size)
+        host_tables = self.block_table_buffer.gather(inputs.block_table_rows, num_blocks)
+        # Groups are found on the host tables: no read-back from the device.
+        prefix_groups = inputs.prefix_groups(host_tables, self.block_size, self.prefix_item_size, self._to_device)
+        block_tables = self._to_device(host_tables)
         ids = self._host_tensor(inputs.input_ids, torch.long)
         if inputs.placeholder_rows:
             sources = self._host_tensor(inputs.placeholder_sources, torch.long)
@@ -306,7 +312,7 @@ class ModelRunner:
         if self.followers is not None:
             self._lead_step(inputs, ids, pos, slots, block_tables)
         return self._run_model(
-            ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens, lora_mapping
+            ids, pos, slots, seq_lens, block_tables, inputs.query_lens, inputs.seq_lens, lora_mapping, prefix_groups
         )
 
     def _lead_step(
@@ -350,16 +356,16 @@ class ModelRunner:
         query_lens: list[int],
         seq_lens_cpu: list[int],
         lora_mapping: torch.Tensor | None = None,
+        prefix_groups: PrefixGroups | None = None,
     ) -> torch.Tensor:
         """The decoder over one step's device inputs: a captured CUDA graph for pure decode batches that fit one,
-        eager otherwise. lora_mapping: each token's adapter slot (-1: none), or None when no token has one."""
+        eager otherwise. lora_mapping: each token's adapter slot (-1: none), or None when no token has one.
+        prefix_groups: a decode step's groups of sequences sharing a prefix (grouped_prefix_attention), or None."""
         num_seqs = len(query_lens)
         is_decode = ids.shape[0] == num_seqs
-        if is_decode and self.cuda_graphs is not None and num_seqs <= self.cuda_graphs.max_batch_size:
-            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
+        if is_decode and self.cuda_graphs is not None and self.cuda_graphs.fits(num_seqs, prefix_groups):
+            return self.cuda_graphs.run(ids, pos, slots, seq_lens, block_tables, lora_mapping, prefix_groups)
+        cu = [0, *itertools.accumulate(query_lens)]
         meta = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self._host_tensor(cu, torch.int32),
@@ -371,6 +377,7 @@ class ModelRunner:
             max_seq_len=self.max_model_len if is_decode else max(seq_lens_cpu),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens_cpu,
+            prefix_groups=prefix_groups,
         )
         ctx = ForwardContext(meta, self.kv_caches, self.backend, self._routed_rows)
         if lora_mapping is not None:

@@ -3,6 +3,7 @@ tensor-parallel rank) their sizes: rank 0 broadcasts the inputs as one tensor, w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from rlserve.engine.sched.batch import ScheduledRequest
 from rlserve.engine.sched.request import PLACEHOLDER
 from rlserve.engine.worker.block_table import BlockTableBuffer
+from rlserve.model.attention.prefix_groups import PrefixGroups, find_prefix_groups
 
 
 @dataclass(slots=True)
@@ -29,6 +31,21 @@ class StepInputs:
     prompt_rows: list[tuple[int, int, int]]  # (scheduled index, first hidden row, count) for prompt logprobs
     prompt_targets: list[int]  # the prompt tokens those rows predict
     lora_mapping: list[int] | None  # each input token's LoRA slot (-1: none); None when no request has an adapter
+
+    def prefix_groups(
+        self,
+        host_tables: torch.Tensor,
+        block_size: int,
+        item_size: int | None,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+    ) -> PrefixGroups | None:
+        """A decode step's groups of sequences that share leading KV blocks, in work items of item_size members,
+        copied with `to_device`; None without item_size (grouped_prefix_attention off), for a step with a prompt
+        chunk (the varlen kernel attends it) or without a group."""
+        if item_size is None or len(self.input_ids) != len(self.query_lens):
+            return None
+        groups = find_prefix_groups(host_tables, self.seq_lens, block_size, item_size)
+        return None if groups is None else groups.to_device(to_device)
 
 
 @dataclass(frozen=True)

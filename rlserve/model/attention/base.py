@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from rlserve.model.attention.prefix_groups import PrefixGroups
+
 
 @dataclass
 class AttentionMetadata:
@@ -25,6 +27,9 @@ class AttentionMetadata:
     # Host copies for backends that loop per sequence (the CPU reference); None on the GPU fast path.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Decode only: sequences that share leading KV blocks, whose shared prefix is read once per group (None: every
+    # sequence reads its whole context itself).
+    prefix_groups: PrefixGroups | None = None
 
     @property
     def is_decode(self) -> bool:

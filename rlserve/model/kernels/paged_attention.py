@@ -418,6 +418,7 @@ def _paged_decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     seq_lens_ptr,
+    seq_starts_ptr,
     block_tables_ptr,
     qk_scale,
     stride_qb,
@@ -438,17 +439,26 @@ def _paged_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_START: tl.constexpr,
+    NUM_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
+    """HAS_START: sequence b attends to keys seq_starts[b] .. seq_lens[b] - 1 only (the rest is a shared prefix the
+    grouped path attends separately). NUM_PARTIALS: 0 writes the output itself (NUM_SPLITS 1 only); otherwise each
+    (sequence, query head) owns NUM_PARTIALS partial slots, of which this kernel fills the first NUM_SPLITS."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Split s covers whole key tiles [s * tiles_per_split, (s + 1) * tiles_per_split) of this sequence's context;
-    # trailing splits of a short sequence are empty and report lse = -inf.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    if HAS_START:
+        kv_start = tl.load(seq_starts_ptr + seq)
+    else:
+        kv_start = 0
+    # Split s covers whole key tiles [s * tiles_per_split, (s + 1) * tiles_per_split) of this sequence's keys from
+    # kv_start on; trailing splits of a short sequence are empty and report lse = -inf.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, BLOCK_N), NUM_SPLITS)
+    start = kv_start + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
 
@@ -482,12 +492,12 @@ def _paged_decode_kernel(
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # empty range (padding row / empty split): zeros
     mask = head_valid[:, None] & d_valid[None, :]
-    if NUM_SPLITS == 1:
+    if NUM_PARTIALS == 0:
         o_off = seq.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        # Partials are [B, Hq, NUM_SPLITS, BLOCK_D] fp32 and lse [B, Hq, NUM_SPLITS] (log2 domain), contiguous.
-        row = (seq.to(tl.int64) * (tl.num_programs(1) * G) + head) * NUM_SPLITS + split
+        # Partials are [B, Hq, NUM_PARTIALS, BLOCK_D] fp32 and lse [B, Hq, NUM_PARTIALS] (log2 domain), contiguous.
+        row = (seq.to(tl.int64) * (tl.num_programs(1) * G) + head) * NUM_PARTIALS + split
         tl.store(part_out_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=head_valid)
@@ -517,8 +527,10 @@ def _decode_reduce_kernel(
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: all weights become 0
     w = tl.exp2(lse - lse_max)
+    # A partial of no keys is never read: the grouped path leaves the prefix slots of ungrouped sequences unwritten.
+    has_keys = s_valid & (lse > float("-inf"))
     parts = tl.load(
-        part_out_ptr + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=s_valid[:, None], other=0.0
+        part_out_ptr + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :], mask=has_keys[:, None], other=0.0
     )
     w_sum = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)
@@ -592,6 +604,7 @@ def _launch_decode(
         part_out,
         part_lse,
         seq_lens,
+        seq_lens,  # no start offsets (HAS_START False): any tensor satisfies the signature
         block_tables,
         scale * _LOG2E,
         *q.stride(),
@@ -605,6 +618,8 @@ def _launch_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        HAS_START=False,
+        NUM_PARTIALS=num_splits if num_splits > 1 else 0,
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_UPCAST=dot_upcast(q.dtype),
         num_warps=num_warps,
