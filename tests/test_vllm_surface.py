@@ -121,7 +121,7 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
     import vllm
 
     imports = {
-        "from vllm import TokensPrompt": "vllm.TokensPrompt",
+        "from vllm import PoolingParams": "vllm.PoolingParams",
         "from vllm.sampling_params import GuidedDecodingParams": "vllm.sampling_params.GuidedDecodingParams",
         "from vllm.distributed.utils import get_pp_indices": "vllm.distributed.utils.get_pp_indices",
         "import vllm.model_executor.models": "vllm.model_executor.models",
@@ -130,9 +130,9 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
     for statement, api in imports.items():
         with pytest.raises(vllm_surface.VllmNotProvidedError, match=re.escape(f"{api}: {NOT_PROVIDED}")):
             exec(statement, {})
-    with pytest.raises(AttributeError, match=re.escape(f"vllm.TokensPrompt: {NOT_PROVIDED}")):
-        vllm.TokensPrompt  # noqa: B018
-    assert not hasattr(vllm, "TokensPrompt") and getattr(vllm, "AsyncLLMEngine", None) is None  # feature probes
+    with pytest.raises(AttributeError, match=re.escape(f"vllm.PoolingParams: {NOT_PROVIDED}")):
+        vllm.PoolingParams  # noqa: B018
+    assert not hasattr(vllm, "PoolingParams") and getattr(vllm, "AsyncLLMEngine", None) is None  # feature probes
     # A ModuleNotFoundError, as a framework's fallback for an optional vLLM module expects (SkyRL's extension has one);
     # SkyRL's allocator-level sleep for weight sync imports this one.
     with pytest.raises(ModuleNotFoundError, match=re.escape(f"vllm.device_allocator: {NOT_PROVIDED}")):

@@ -48,6 +48,7 @@ _LAYERWISE_RELOAD = {
     "initialize_layerwise_reload": "rlserve.model.reload:initialize_layerwise_reload",
     "finalize_layerwise_reload": "rlserve.model.reload:finalize_layerwise_reload",
 }
+_TOKENS_PROMPT = "rlserve.engine.frontend.validation:TokensPrompt"
 _ENTRYPOINTS = "rlserve.server.vllm_entrypoints"
 _NO_VLLM_LORA_MANAGER = (
     "rlserve loads adapters from PEFT directories with its own LoRA manager (LoRARequest), not from tensors through "
@@ -65,6 +66,7 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
         "CompletionOutput": _COMPLETION_OUTPUT,
         "EngineArgs": _ENGINE_ARGS,
         "AsyncEngineArgs": _ASYNC_ENGINE_ARGS,
+        "TokensPrompt": _TOKENS_PROMPT,
     },
     "vllm.entrypoints.llm": {"LLM": _LLM},
     "vllm.sampling_params": {
@@ -97,6 +99,8 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     # verl's FP8 rollout helpers import it at module level; rlserve's FP8 is its --quantization fp8, and verl's
     # FP8 arguments (--hf_overrides with a quantization_config) are refused by name at the command line.
     "vllm.model_executor.layers.linear": {"LinearBase": Refused(_NO_VLLM_LAYERS)},
+    # verl's worker extension tests `isinstance(vllm_config.quant_config, Fp8Config)`: rlserve's have no quant_config.
+    "vllm.model_executor.layers.quantization.fp8": {"Fp8Config": Refused(_NO_VLLM_LAYERS)},
     "vllm.config.parallel": {"ParallelConfig": "rlserve.weight_transfer.base:ParallelConfigLike"},
     "vllm.platforms": {
         "current_platform": "rlserve.platforms:current_platform",
@@ -134,7 +138,7 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     },
     # verl imports it at module level and calls it only for gpt-oss (VERL_USE_GPT_OSS=1).
     "vllm.entrypoints.openai.parser.harmony_utils": {"get_encoding": Refused(_NO_HARMONY)},
-    "vllm.inputs": {"TokensPrompt": "rlserve.engine.frontend.validation:TokensPrompt"},
+    "vllm.inputs": {"TokensPrompt": _TOKENS_PROMPT},
     "vllm.usage.usage_lib": {"UsageContext": "rlserve.engine.frontend.args:UsageContext"},
     "vllm.utils.argparse_utils": {"FlexibleArgumentParser": "rlserve.engine.frontend.args:FlagParser"},
 }
