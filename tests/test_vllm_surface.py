@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -183,10 +184,15 @@ def test_uninstall_leaves_no_vllm_behind() -> None:
     vllm_surface.install()  # idempotent: one finder
     assert sum(isinstance(f, vllm_surface.finder.VllmSurfaceFinder) for f in sys.meta_path) == 1
     importlib.import_module("vllm.distributed.utils")
+    # Frameworks gate their vLLM code on the distribution's version (verl refuses its vLLM rollout without one).
+    assert importlib.metadata.version("vllm") == vllm_surface.VLLM_VERSION
+    assert "vllm" in {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
     vllm_surface.uninstall()
     assert not any(name == "vllm" or name.startswith("vllm.") for name in sys.modules)
     with pytest.raises(ModuleNotFoundError, match="No module named 'vllm'"):
         importlib.import_module("vllm")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
 
 
 def test_rlserve_run_reaches_every_python_process_below_it(tmp_path: Path) -> None:

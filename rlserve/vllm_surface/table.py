@@ -101,6 +101,10 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.model_executor.layers.linear": {"LinearBase": Refused(_NO_VLLM_LAYERS)},
     # verl's worker extension tests `isinstance(vllm_config.quant_config, Fp8Config)`: rlserve's have no quant_config.
     "vllm.model_executor.layers.quantization.fp8": {"Fp8Config": Refused(_NO_VLLM_LAYERS)},
+    # verl's worker extension calls it after writing a weight sync's tensors with `model.load_weights`.
+    "vllm.model_executor.model_loader.utils": {
+        "process_weights_after_loading": "rlserve.model.loader:process_weights_after_loading"
+    },
     "vllm.config.parallel": {"ParallelConfig": "rlserve.weight_transfer.base:ParallelConfigLike"},
     "vllm.platforms": {
         "current_platform": "rlserve.platforms:current_platform",
