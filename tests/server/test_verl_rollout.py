@@ -6,7 +6,8 @@ parsed by `vllm.entrypoints.cli.serve`'s subcommand, `AsyncEngineArgs.from_cli_a
 its worker extension `vLLMColocateWorkerExtension` loaded in rlserve's engine core and called there through
 `collective_rpc("monkey_patch_model")`, `build_app` / `init_app_state` served by verl's uvicorn helper), generates
 (`generate`: `TokensPrompt`, `SamplingParams`, `priority=0`), aborts and resumes (`abort_all_requests`, reading the
-output processor's request states, then `resume_generation`), sleeps and wakes (`sleep`, `wake_up`, `clear_kv_cache`).
+output processor's request states, then `resume_generation`; `abort_request` of one request is refused by name),
+sleeps and wakes (`sleep`, `wake_up`, `clear_kv_cache`).
 
 Ray runs locally only because verl's server reads its job id. verl's weight sync (`ServerAdapter.update_weights` into
 the extension's `update_weights_from_ipc`) needs CUDA on both ends (verl has no CPU platform: its device module is
@@ -145,6 +146,9 @@ def test_verl_aborts_what_runs_and_resumes(verl: VerlServer) -> None:
         running = asyncio.create_task(server.generate(PROMPT, {"max_tokens": 100, "ignore_eos": True}, "verl-long"))
         while "verl-long" not in server.engine.output_processor.request_states:
             await asyncio.sleep(0.01)
+        # verl's abort of one request builds vLLM's output-processor objects: refused by name, reported by verl.
+        one = await server.abort_request("verl-long")
+        assert one["aborted"] is False and one["error"].startswith("vllm.v1.engine.FinishReason: rlserve does not")
         aborted = await server.abort_all_requests()
         ended = await running
         parked = asyncio.create_task(server.generate(PROMPT, {"max_tokens": 4}, "verl-parked"))
