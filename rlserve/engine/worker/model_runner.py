@@ -73,7 +73,7 @@ class ModelRunner:
 
     @property
     def vllm_config(self) -> EngineConfig:
-        """vLLM's `model_runner.vllm_config` (verl's worker extension reads it): the engine's config, as the worker's."""
+        """vLLM's `model_runner.vllm_config` (verl's worker extension reads it): the engine's config."""
         return self.config
 
     def on_device(self) -> contextlib.AbstractContextManager:
