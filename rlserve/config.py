@@ -433,6 +433,18 @@ class EngineConfig:
                 f"quantization {self.quantization}: not with batch_invariant (the FP8 GEMMs are not batch-invariant)"
             )
 
+    # What vLLM worker code reads of a `vllm_config` beyond rlserve's fields: extensions get this config as their
+    # worker's and model runner's `vllm_config` (verl's reads both of these).
+    @property
+    def model_config(self) -> EngineConfig:
+        """vLLM's model part of its config: rlserve's one config holds the model's settings."""
+        return self
+
+    @property
+    def speculative_config(self) -> None:
+        """vLLM's: rlserve has no speculative decoding (extensions check it before syncing a drafter's weights)."""
+        return None
+
     def for_data_parallel_rank(self, rank: int) -> EngineConfig:
         """The config of engine core `rank`: on CUDA it takes the rank's own GPUs (tensor_parallel_size of them from
         cuda:rank*tensor_parallel_size on), on CPU it shares the host."""

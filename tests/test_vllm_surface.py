@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -121,7 +122,7 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
     import vllm
 
     imports = {
-        "from vllm import TokensPrompt": "vllm.TokensPrompt",
+        "from vllm import PoolingParams": "vllm.PoolingParams",
         "from vllm.sampling_params import GuidedDecodingParams": "vllm.sampling_params.GuidedDecodingParams",
         "from vllm.distributed.utils import get_pp_indices": "vllm.distributed.utils.get_pp_indices",
         "import vllm.model_executor.models": "vllm.model_executor.models",
@@ -130,9 +131,9 @@ def test_what_rlserve_lacks_is_refused_by_name(surface: None) -> None:
     for statement, api in imports.items():
         with pytest.raises(vllm_surface.VllmNotProvidedError, match=re.escape(f"{api}: {NOT_PROVIDED}")):
             exec(statement, {})
-    with pytest.raises(AttributeError, match=re.escape(f"vllm.TokensPrompt: {NOT_PROVIDED}")):
-        vllm.TokensPrompt  # noqa: B018
-    assert not hasattr(vllm, "TokensPrompt") and getattr(vllm, "AsyncLLMEngine", None) is None  # feature probes
+    with pytest.raises(AttributeError, match=re.escape(f"vllm.PoolingParams: {NOT_PROVIDED}")):
+        vllm.PoolingParams  # noqa: B018
+    assert not hasattr(vllm, "PoolingParams") and getattr(vllm, "AsyncLLMEngine", None) is None  # feature probes
     # A ModuleNotFoundError, as a framework's fallback for an optional vLLM module expects (SkyRL's extension has one);
     # SkyRL's allocator-level sleep for weight sync imports this one.
     with pytest.raises(ModuleNotFoundError, match=re.escape(f"vllm.device_allocator: {NOT_PROVIDED}")):
@@ -183,10 +184,15 @@ def test_uninstall_leaves_no_vllm_behind() -> None:
     vllm_surface.install()  # idempotent: one finder
     assert sum(isinstance(f, vllm_surface.finder.VllmSurfaceFinder) for f in sys.meta_path) == 1
     importlib.import_module("vllm.distributed.utils")
+    # Frameworks gate their vLLM code on the distribution's version (verl refuses its vLLM rollout without one).
+    assert importlib.metadata.version("vllm") == vllm_surface.VLLM_VERSION
+    assert "vllm" in {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
     vllm_surface.uninstall()
     assert not any(name == "vllm" or name.startswith("vllm.") for name in sys.modules)
     with pytest.raises(ModuleNotFoundError, match="No module named 'vllm'"):
         importlib.import_module("vllm")
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
 
 
 def test_rlserve_run_reaches_every_python_process_below_it(tmp_path: Path) -> None:

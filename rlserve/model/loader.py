@@ -166,3 +166,9 @@ def load_model(
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir!r} lacks weights {sorted(missing)[:5]}")
     return model, cfg
+
+
+def process_weights_after_loading(model: torch.nn.Module, model_config: object, target_device: torch.device) -> None:
+    """vLLM's step after weights are written straight into a model (its layers' repacking and requantization), which
+    worker extensions written for vLLM call after their own `model.load_weights` (verl's). rlserve's `load_weights`
+    leaves it nothing to do: an FP8 weight is quantized as it is written, and the fp32 LM head copy is dropped there."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rlserve.dtypes import dtype_name
-from rlserve.engine.frontend.args import engine_kwargs
+from rlserve.engine.frontend.args import EngineArgs
 from rlserve.engine.frontend.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
@@ -40,6 +40,7 @@ from rlserve.server.serve_flags import DEV_MODE_ENV, RL_API_KEY_ENV, add_serve_p
 
 if TYPE_CHECKING:
     import uvicorn
+    from fastapi import FastAPI
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +85,9 @@ def _uvicorn_server(config: uvicorn.Config) -> uvicorn.Server:
     return Server(config)
 
 
-async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
-    import uvicorn
-
+async def compose_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    """The app `rlserve serve` serves over `engine` for its parsed flags: the routes and keys, PipelineRL's group
+    join started, the --lora-modules loaded (an APIError naming the module that fails)."""
     rl_api_keyed = args.rl_api_auth == "key"
     if args.enable_rl_api and rl_api_keyed and not rl_api_keys(args):
         logger.warning(
@@ -114,8 +115,18 @@ async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, s
         try:
             await app.state.lora_adapters.load(name, path, base_model_name=base)
         except APIError as e:
-            logger.error("--lora-modules %s: %s", name, e.message)
-            return 1
+            raise APIError(e.code, f"--lora-modules {name}: {e.message}", e.param) from e
+    return app
+
+
+async def _serve_until_engine_dies(engine: AsyncLLM, args: argparse.Namespace, sock: socket.socket) -> int:
+    import uvicorn
+
+    try:
+        app = await compose_app(engine, args)
+    except APIError as e:
+        logger.error("%s", e.message)
+        return 1
     log_level = args.uvicorn_log_level or args.log_level
     config = uvicorn.Config(
         app,
@@ -191,7 +202,7 @@ def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def _core_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's keywords, with the weight directories the routes allow: the core checks them again itself."""
-    return {**engine_kwargs(args), "allowed_weight_dirs": tuple(args.allowed_weight_dirs)}
+    return EngineArgs.from_cli_args(args).kwargs
 
 
 def _run_api_server(

@@ -31,6 +31,7 @@ from rlserve.vllm_surface.table import VLLM_VERSION
 
 __all__ = [
     "ENV_VAR",
+    "active",
     "STARTUP_DIR",
     "VLLM_VERSION",
     "VllmInstalledError",
@@ -54,6 +55,11 @@ def requested(environ: Mapping[str, str] = os.environ) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{ENV_VAR}: expected 1 (install rlserve's vllm surface) or 0, got {value!r}")
     return value == "1"
+
+
+def active() -> bool:
+    """Whether this process runs under the surface: installed here, or asked for by its environment."""
+    return is_installed() or requested()
 
 
 def install_if_requested() -> bool:

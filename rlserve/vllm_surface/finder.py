@@ -25,10 +25,14 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import os
+import re
 import sys
 import types
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rlserve.vllm_surface.table import MODULES, PACKAGES, VLLM_VERSION, Entry, Refused
@@ -141,8 +145,31 @@ def _populate(module: types.ModuleType, names: _Names) -> None:
         module.__version__ = VLLM_VERSION
 
 
+class VllmSurfaceDistribution(importlib.metadata.Distribution):
+    """The `vllm` distribution as `importlib.metadata` reports it while the surface is installed: frameworks gate
+    their vLLM code on `importlib.metadata.version("vllm")` (verl refuses to load its vLLM rollout without one), and
+    this answers the surface's VLLM_VERSION. It has no files and no entry points."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename in ("METADATA", "PKG-INFO"):
+            return f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}\nSummary: {_TABLE_NOTE}\n"
+        return None
+
+    def locate_file(self, path: str | os.PathLike[str]) -> Path:
+        raise FileNotFoundError(f"{path}: rlserve's vllm surface installs no files")
+
+
 class VllmSurfaceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds and loads the table's vLLM modules; refuses, by name, any other `vllm.*` import."""
+    """Finds and loads the table's vLLM modules; refuses, by name, any other `vllm.*` import. Also the finder of
+    the `vllm` distribution's metadata (`VllmSurfaceDistribution`)."""
+
+    def find_distributions(
+        self, context: importlib.metadata.DistributionFinder.Context | None = None
+    ) -> list[importlib.metadata.Distribution]:
+        name = context.name if context is not None else None
+        if name is None or re.sub(r"[-_.]+", "_", name).lower() == "vllm":
+            return [VllmSurfaceDistribution()]
+        return []
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None

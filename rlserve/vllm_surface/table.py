@@ -48,6 +48,14 @@ _LAYERWISE_RELOAD = {
     "initialize_layerwise_reload": "rlserve.model.reload:initialize_layerwise_reload",
     "finalize_layerwise_reload": "rlserve.model.reload:finalize_layerwise_reload",
 }
+_TOKENS_PROMPT = "rlserve.engine.frontend.validation:TokensPrompt"
+_ENTRYPOINTS = "rlserve.server.vllm_entrypoints"
+_NO_VLLM_LORA_MANAGER = (
+    "rlserve loads adapters from PEFT directories with its own LoRA manager (LoRARequest), not from tensors through "
+    "vLLM's"
+)
+_NO_VLLM_LAYERS = "rlserve's model layers are its own (rlserve.model.layers), not vLLM's quantizable layer classes"
+_NO_HARMONY = "rlserve has no harmony encoding (gpt-oss's chat format)"
 _NO_STRUCTURED_OUTPUTS = "rlserve has no structured (guided) decoding; leave the regex / JSON schema / grammar unset"
 
 MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
@@ -58,6 +66,7 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
         "CompletionOutput": _COMPLETION_OUTPUT,
         "EngineArgs": _ENGINE_ARGS,
         "AsyncEngineArgs": _ASYNC_ENGINE_ARGS,
+        "TokensPrompt": _TOKENS_PROMPT,
     },
     "vllm.entrypoints.llm": {"LLM": _LLM},
     "vllm.sampling_params": {
@@ -69,6 +78,10 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.outputs": {"RequestOutput": _REQUEST_OUTPUT, "CompletionOutput": _COMPLETION_OUTPUT},
     "vllm.logprobs": {"Logprob": "rlserve.outputs:Logprob"},
     "vllm.lora.request": {"LoRARequest": "rlserve.lora.request:LoRARequest"},
+    # verl's VLLMHijack patches vLLM's LoRA manager at import (to load adapters from tensors); rlserve never builds it.
+    "vllm.lora.lora_model": {"LoRAModel": Refused(_NO_VLLM_LORA_MANAGER)},
+    "vllm.lora.utils": {"get_adapter_absolute_path": Refused(_NO_VLLM_LORA_MANAGER)},
+    "vllm.lora.worker_manager": {"LRUCacheWorkerLoRAManager": Refused(_NO_VLLM_LORA_MANAGER)},
     "vllm.engine.arg_utils": {"EngineArgs": _ENGINE_ARGS, "AsyncEngineArgs": _ASYNC_ENGINE_ARGS},
     "vllm.v1.engine.async_llm": {"AsyncLLM": "rlserve.engine.frontend.async_llm:AsyncLLM"},
     "vllm.exceptions": {"RetryableRequestError": "rlserve.engine.frontend.core_client:RetryableRequestError"},
@@ -83,6 +96,15 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.model_executor.model_loader.reload": _LAYERWISE_RELOAD,
     "vllm.model_executor.model_loader.reload.layerwise": _LAYERWISE_RELOAD,
     "vllm.model_executor.model_loader.reload.meta": {},
+    # verl's FP8 rollout helpers import it at module level; rlserve's FP8 is its --quantization fp8, and verl's
+    # FP8 arguments (--hf_overrides with a quantization_config) are refused by name at the command line.
+    "vllm.model_executor.layers.linear": {"LinearBase": Refused(_NO_VLLM_LAYERS)},
+    # verl's worker extension tests `isinstance(vllm_config.quant_config, Fp8Config)`: rlserve's have no quant_config.
+    "vllm.model_executor.layers.quantization.fp8": {"Fp8Config": Refused(_NO_VLLM_LAYERS)},
+    # verl's worker extension calls it after writing a weight sync's tensors with `model.load_weights`.
+    "vllm.model_executor.model_loader.utils": {
+        "process_weights_after_loading": "rlserve.model.loader:process_weights_after_loading"
+    },
     "vllm.config.parallel": {"ParallelConfig": "rlserve.weight_transfer.base:ParallelConfigLike"},
     "vllm.platforms": {
         "current_platform": "rlserve.platforms:current_platform",
@@ -91,6 +113,8 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.utils.nccl": {"_nccl_has_no_cache": "rlserve.weight_transfer.nccl_library:has_nccl_no_cache"},
     "vllm.config.weight_transfer": {"WeightTransferConfig": "rlserve.config:WeightTransferConfig"},
     "vllm.utils.network_utils": {"get_ip": "rlserve.net:get_ip", "get_open_port": "rlserve.net:get_open_port"},
+    # verl's `verl.third_party.vllm` re-exports it and uses none of its names: importable, each name refused.
+    "vllm.distributed.parallel_state": {},
     "vllm.distributed.utils": "rlserve.distributed.utils",
     "vllm.distributed.device_communicators.pynccl": "rlserve.distributed.device_communicators.pynccl",
     "vllm.distributed.device_communicators.pynccl_wrapper": "rlserve.distributed.device_communicators.pynccl_wrapper",
@@ -106,6 +130,21 @@ MODULES: dict[str, str | dict[str, str | Refused] | Entry] = {
     "vllm.distributed.weight_transfer.sparse_nccl_engine": "rlserve.distributed.weight_transfer.sparse_nccl_engine",
     # `vllm serve`, as TRL's `trl vllm-serve` and `VLLMClient`'s docs start it.
     "vllm.entrypoints.cli.main": Entry("rlserve.vllm_cli"),
+    # vLLM's API server hosted in a framework's own process (verl's vLLMHttpServer).
+    "vllm.entrypoints.cli.serve": {
+        "ServeSubcommand": f"{_ENTRYPOINTS}:ServeSubcommand",
+        "cmd_init": f"{_ENTRYPOINTS}:cmd_init",
+        "run_headless": f"{_ENTRYPOINTS}:run_headless",
+    },
+    "vllm.entrypoints.openai.api_server": {
+        "build_app": f"{_ENTRYPOINTS}:build_app",
+        "init_app_state": f"{_ENTRYPOINTS}:init_app_state",
+    },
+    # verl imports it at module level and calls it only for gpt-oss (VERL_USE_GPT_OSS=1).
+    "vllm.entrypoints.openai.parser.harmony_utils": {"get_encoding": Refused(_NO_HARMONY)},
+    "vllm.inputs": {"TokensPrompt": _TOKENS_PROMPT},
+    "vllm.usage.usage_lib": {"UsageContext": "rlserve.engine.frontend.args:UsageContext"},
+    "vllm.utils.argparse_utils": {"FlexibleArgumentParser": "rlserve.engine.frontend.args:FlagParser"},
 }
 
 

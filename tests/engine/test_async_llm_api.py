@@ -1,16 +1,18 @@
-"""AsyncLLM's vLLM 0.33 surface besides generate: construction from (Async)EngineArgs, add_request with its output
-collector, abort(request_id, internal=...), wait_for_requests_to_drain, and start_profile/stop_profile (a trace of
-each engine-core process)."""
+"""AsyncLLM's vLLM 0.33 surface besides generate: construction from (Async)EngineArgs (and the VllmConfig of their
+create_engine_config), add_request with its output collector, abort(request_id, internal=...),
+wait_for_requests_to_drain, and start_profile/stop_profile (a trace of each engine-core process)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import json
 
 import pytest
 
 from rlserve import AsyncEngineArgs, AsyncLLM, SamplingParams
+from rlserve.engine.frontend.args import UsageContext
 from rlserve.engine.worker.tracing import STEP_RANGE
 
 PROMPT = {"prompt_token_ids": [5, 17, 200, 33]}
@@ -23,6 +25,27 @@ async def until_finished(collector) -> list:
     while not outputs or not outputs[-1].finished:
         outputs.append(await asyncio.wait_for(collector.get(), 60))
     return outputs
+
+
+def test_the_vllm_config_takes_what_callers_set_on_it_and_refuses_the_rest(qwen3_dir) -> None:
+    # verl spells a False boolean whose default is True as --no-x, from the fields of vLLM's EngineArgs dataclass.
+    fields = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+    assert fields["enable_prefix_caching"].type is bool and fields["enable_prefix_caching"].default is True
+    assert AsyncEngineArgs(model=str(qwen3_dir), max_num_seqs=3).max_num_seqs == 3
+    vllm_config = AsyncEngineArgs(model=str(qwen3_dir)).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    vllm_config.parallel_config.data_parallel_master_port = 1234  # as verl does before from_vllm_config
+    assert vllm_config.engine_config().data_parallel_master_port == 0  # independent ranks: no group meets there
+    lockstep = AsyncEngineArgs(model=str(qwen3_dir), data_parallel_size=2, data_parallel_lockstep=True)
+    lockstep_config = lockstep.create_engine_config()
+    lockstep_config.parallel_config.data_parallel_master_port = 1234
+    assert lockstep_config.engine_config().data_parallel_master_port == 1234
+    vllm_config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="parallel_config: tensor_parallel_size / data_parallel_size are the engine"):
+        vllm_config.engine_config()
+    with pytest.raises(ValueError, match="usage_context: expected a UsageContext, got 'server'"):
+        AsyncEngineArgs(model=str(qwen3_dir)).create_engine_config("server")
+    with pytest.raises(ValueError, match="vllm_config: expected EngineArgs.create_engine_config"):
+        AsyncLLM.from_vllm_config(vllm_config.model_config)
 
 
 def test_from_engine_args_add_request_and_abort(qwen3_dir, monkeypatch) -> None:

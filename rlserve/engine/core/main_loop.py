@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 import zmq
 
+from rlserve import vllm_surface
 from rlserve.engine.core.dp_lockstep import LockstepLink, PeerLost, rendezvous_store
 from rlserve.engine.wire.auth import require_secret
 from rlserve.engine.wire.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
@@ -74,6 +76,8 @@ def run_engine_core(
     if stop is None:
         stop = _stop_on_sigterm()
     configure_logging(startup.log_level)
+    if startup.vllm_surface:  # read where the worker extension is imported, here and in processes started from here
+        os.environ[vllm_surface.ENV_VAR] = "1"
     started = time.monotonic()
     config = startup.config
     _or_report(ready, "", lambda: _register_backends(startup.extra_backends))

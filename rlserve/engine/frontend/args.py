@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import logging
 import os
@@ -320,11 +321,15 @@ def engine_flags(**kwargs: Any) -> list[str]:
     return flags
 
 
-def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+def check_engine_argument_names(kwargs: Mapping[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+
+
+def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
+    check_engine_argument_names(kwargs)
     wt = kwargs.get("weight_transfer_config")
     if isinstance(wt, dict):
         kwargs["weight_transfer_config"] = WeightTransferConfig(**wt)
@@ -346,16 +351,103 @@ def make_engine_config(model: str, **kwargs: Any) -> EngineConfig:
     return EngineConfig(model=resolve_model(model, kwargs.get("revision")), **kwargs)
 
 
+class UsageContext(enum.StrEnum):
+    """vLLM's usage contexts (`vllm.usage.usage_lib.UsageContext`), which its callers pass to
+    `create_engine_config` and `AsyncLLM.from_vllm_config`. vLLM reports them in its usage statistics; rlserve sends
+    none, so a context changes nothing in the engine."""
+
+    UNKNOWN_CONTEXT = "UNKNOWN_CONTEXT"
+    LLM_CLASS = "LLM_CLASS"
+    API_SERVER = "API_SERVER"
+    OPENAI_API_SERVER = "OPENAI_API_SERVER"
+    OPENAI_BATCH_RUNNER = "OPENAI_BATCH_RUNNER"
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"
+
+
+def check_usage_context(usage_context: Any) -> None:
+    if not isinstance(usage_context, UsageContext):
+        raise ValueError(f"usage_context: expected a UsageContext, got {usage_context!r}")
+
+
+# Not frozen, unlike rlserve's configs: vLLM's callers assign to `vllm_config.parallel_config` between
+# `create_engine_config` and `AsyncLLM.from_vllm_config` (verl sets the data-parallel master port there).
+@dataclasses.dataclass
+class ParallelConfig:
+    """The part of vLLM's `parallel_config` its callers read or set before the engine starts."""
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+    # vLLM's data-parallel group rendezvous: rlserve's lockstep cores meet there (its --data-parallel-master-port);
+    # independent data-parallel cores form no group, so it is unused, as in vLLM with one data-parallel rank.
+    data_parallel_master_port: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmConfig:
+    """What vLLM's `EngineArgs.create_engine_config` returns, for `AsyncLLM.from_vllm_config`: the checked engine
+    config (vLLM's model config is the part of it its callers read) and the parallel config they may adjust."""
+
+    model_config: EngineConfig
+    parallel_config: ParallelConfig
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> VllmConfig:
+        return cls(config, ParallelConfig(config.tensor_parallel_size, config.data_parallel_size))
+
+    def engine_config(self) -> EngineConfig:
+        """The engine config with what callers set on `parallel_config`."""
+        parallel, config = self.parallel_config, self.model_config
+        sizes = (parallel.tensor_parallel_size, parallel.data_parallel_size)
+        if sizes != (config.tensor_parallel_size, config.data_parallel_size):
+            raise ValueError(
+                "parallel_config: tensor_parallel_size / data_parallel_size are the engine arguments' "
+                f"{config.tensor_parallel_size} / {config.data_parallel_size}, not {sizes[0]} / {sizes[1]}: "
+                "set them on the engine arguments"
+            )
+        if parallel.data_parallel_master_port is not None and config.data_parallel_lockstep:
+            return dataclasses.replace(config, data_parallel_master_port=parallel.data_parallel_master_port)
+        return config
+
+
+def _with_engine_fields(cls: type) -> type:
+    """`cls` as a dataclass with EngineConfig's fields (their types resolved, their defaults), constructed by its own
+    `__init__`: vLLM's EngineArgs is the dataclass of every engine argument, and its callers read its fields (verl
+    spells a False boolean whose default is True as `--no-x` from them)."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = dataclasses.fields(EngineConfig)
+    cls.__annotations__ = {f.name: hints[f.name] for f in fields}
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            setattr(cls, f.name, f.default)
+    return dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
+
+
+@_with_engine_fields
 class EngineArgs:
     """vLLM's EngineArgs (and AsyncEngineArgs) as their callers write them: `AsyncEngineArgs(model=..., **engine
-    keywords)` for `AsyncLLM.from_engine_args`. The keywords are EngineConfig's, checked by `create_engine_config`."""
+    keywords)` for `AsyncLLM.from_engine_args`, or `from_cli_args` of a parsed `vllm serve` command line for
+    `AsyncLLM.from_vllm_config`. The keywords are EngineConfig's (a name it lacks is a ValueError naming it); each is
+    an attribute too, the others read as their defaults."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        check_engine_argument_names(kwargs)
         self.model = model
         self.kwargs = kwargs
+        for name, value in kwargs.items():
+            setattr(self, name, value)
 
-    def create_engine_config(self) -> EngineConfig:
-        return make_engine_config(self.model, **self.kwargs)
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine arguments of a parsed command line (`rlserve serve`'s, which takes `vllm serve`'s flags), with
+        the weight directories its routes allow: the core checks them again itself."""
+        kwargs = engine_kwargs(args)
+        if "allowed_weight_dirs" in vars(args):
+            kwargs["allowed_weight_dirs"] = tuple(args.allowed_weight_dirs)
+        return cls(args.model, **kwargs)
+
+    def create_engine_config(self, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT) -> VllmConfig:
+        check_usage_context(usage_context)
+        return VllmConfig.of(make_engine_config(self.model, **self.kwargs))
 
 
 AsyncEngineArgs = EngineArgs

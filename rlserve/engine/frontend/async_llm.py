@@ -9,6 +9,7 @@ result comes after the outputs it caused, which is what makes "abort ends the st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlserve.config import EngineConfig
-from rlserve.engine.frontend.args import EngineArgs, make_engine_config
+from rlserve.engine.frontend.args import EngineArgs, UsageContext, VllmConfig, check_usage_context, make_engine_config
 from rlserve.engine.frontend.clients import make_async_client
 from rlserve.engine.frontend.core_client import (
     AsyncMPClient,
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 # hold pause forever).
 STREAM_DRAIN_TIMEOUT_S = 5.0
 DRAIN_POLL_S = 0.1  # how often wait_for_requests_to_drain asks the core
+SUPPORTED_TASKS = ("generate",)  # vLLM's tasks an engine serves: rlserve's serve generation only
 
 
 @dataclass
@@ -152,6 +154,11 @@ def _shared_client(shared_cores: Sequence[tuple[str, int, str]]) -> Callable[[En
     return make
 
 
+def _check_priority(priority: int) -> None:
+    if priority != 0:
+        raise ValueError(f"priority: not supported (the scheduler is first come, first served), got {priority!r}")
+
+
 class AsyncLLM(EngineFrontEnd):
     def __init__(self, model: str, *, shared_cores: Sequence[tuple[str, int, str]] | None = None, **kwargs: Any):
         """`shared_cores`: (address, pid, secret) of each engine core (one per data-parallel rank) that another process
@@ -171,6 +178,27 @@ class AsyncLLM(EngineFrontEnd):
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
         """vLLM's construction from (Async)EngineArgs: the model and engine keywords they hold."""
         return cls(engine_args.model, **engine_args.kwargs)
+
+    @classmethod
+    def from_vllm_config(
+        cls, vllm_config: VllmConfig, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT
+    ) -> AsyncLLM:
+        """vLLM's construction from `EngineArgs.create_engine_config()`'s result (with what the caller set on its
+        `parallel_config`)."""
+        check_usage_context(usage_context)
+        if not isinstance(vllm_config, VllmConfig):
+            raise ValueError(f"vllm_config: expected EngineArgs.create_engine_config()'s, got {vllm_config!r}")
+        config = vllm_config.engine_config()
+        kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"}
+        return cls(config.model, **kwargs)
+
+    @property
+    def model_config(self) -> EngineConfig:
+        """vLLM's name for the engine's configuration (model, dtype, max_model_len...)."""
+        return self.config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return SUPPORTED_TASKS
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -234,12 +262,14 @@ class AsyncLLM(EngineFrontEnd):
         *,
         lora_request: LoRARequest | None = None,
         session_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request (cumulative by default; set sampling_params.output_kind for deltas).
         A prompt from `validate_prompt` is queued as it is, with the params (and adapter) it was checked with.
         `lora_request`: the adapter it runs with (loaded first if it is not). `session_id` (the server's
         `X-Session-ID`): requests of one session go to the same data-parallel rank, whose prefix cache holds the
-        earlier turns."""
+        earlier turns. `priority`: vLLM's, 0 only (the scheduler is first come, first served)."""
+        _check_priority(priority)
         prompt = await self._validate_with_lora(prompt, sampling_params, lora_request)
         request_id, stream = self._add(prompt, request_id, session_id)
         try:
@@ -273,12 +303,12 @@ class AsyncLLM(EngineFrontEnd):
             "arrival_time": (arrival_time, None, "the engine stamps arrival itself"),
             "tokenization_kwargs": (tokenization_kwargs, None, "prompts are tokenized as the tokenizer's defaults"),
             "trace_headers": (trace_headers, None, "tracing is not supported"),
-            "priority": (priority, 0, "the scheduler is first come, first served"),
             "data_parallel_rank": (data_parallel_rank, None, "the front end routes requests (session_id for affinity)"),
         }
         for name, (value, default, why) in unsupported.items():
             if value != default:
                 raise ValueError(f"{name}: not supported ({why}), got {value!r}")
+        _check_priority(priority)
         prompt = await self._validate_with_lora(prompt, params, lora_request)
         request_id, stream = self._add(prompt, request_id, session_id)
         return RequestOutputCollector(request_id, stream, self._release)
@@ -453,8 +483,16 @@ class AsyncLLM(EngineFrontEnd):
         call = self._call("collective_rpc", *collective_rpc_args(self.client, method, args, kwargs))
         return await (call if timeout is None else asyncio.wait_for(call, timeout))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> None:
+        """vLLM's. `reset_connector`: also drop an external KV store's entries; rlserve attaches none, so there
+        is nothing more to drop (vLLM without a connector does the same)."""
         await self._call("reset_prefix_cache", reset_running_requests)
+
+    async def reset_mm_cache(self) -> None:
+        """vLLM's: drop the multimodal processor cache. rlserve serves text-only models: there is none."""
+
+    async def reset_encoder_cache(self) -> None:
+        """vLLM's: drop the multimodal encoder's output cache. rlserve serves text-only models: there is none."""
 
     async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
         """vLLM's: return once no request runs or waits in the engine (every data-parallel rank; requests of every

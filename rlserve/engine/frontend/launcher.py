@@ -17,6 +17,7 @@ import time
 import types
 from collections.abc import Iterator
 
+from rlserve import vllm_surface
 from rlserve.config import EngineConfig
 from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address
 from rlserve.engine.wire.backends import registered_backends
@@ -96,7 +97,14 @@ class CoreProcess:
         reader, writer = context.Pipe(duplex=False)
         log_level = logging.getLogger("rlserve").getEffectiveLevel()
         startup = CoreStartup(
-            config, self.address, os.getpid(), extra_backends, log_level, self.secret, lockstep_secret
+            config,
+            self.address,
+            os.getpid(),
+            extra_backends,
+            log_level,
+            self.secret,
+            lockstep_secret,
+            vllm_surface.active(),
         )
         self.process = context.Process(
             target=run_engine_core, args=(startup, writer), name="rlserve-engine-core", daemon=True

@@ -8,7 +8,9 @@ end's clock for arrival and end, the core's step times for the rest. Both are ti
 from __future__ import annotations
 
 import time
+import types
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +95,11 @@ class OutputProcessor:
         # abort on its way): their late outputs must not reach a new request of the same id.
         self.unended: dict[str, str] = {}
         self._unended_requests: Counter[str] = Counter()
+
+    @property
+    def request_states(self) -> Mapping[str, _RequestState]:
+        """vLLM's name for the requests in flight, by request id; read-only (verl lists them before it pauses)."""
+        return types.MappingProxyType(self.states)
 
     def in_use(self, request_id: str, n: int = 1) -> bool:
         """Whether a request `request_id` of `n` samples would share an id with one the core may still run."""

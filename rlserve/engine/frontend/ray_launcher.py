@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from rlserve import vllm_surface
 from rlserve.config import EngineConfig
 from rlserve.engine.core.actor import EngineCoreActor
 from rlserve.engine.frontend.launcher import STARTUP_TIMEOUT_S, startup_error
@@ -173,6 +174,7 @@ class RayLauncher:
             log_level,
             new_secret(),
             self.lockstep_secret,
+            vllm_surface.active(),
         )
         actor = self.actor_class.options(
             num_cpus=0 if self.on_gpu else 1,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from transformers import PreTrainedTokenizerBase
 
@@ -124,10 +124,35 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
     return salt
 
 
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's prompt of token ids (`vllm.inputs.TokensPrompt`), as far as rlserve takes it: the text (for outputs
+    only), a prefix-cache salt, and multimodal inputs only when empty (rlserve's models are text-only)."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+    cache_salt: str
+    multi_modal_data: dict[str, Any]
+    mm_processor_kwargs: dict[str, Any]
+
+
+_PROMPT_KEYS = frozenset(TokensPrompt.__annotations__)
+_TEXT_ONLY_KEYS = ("multi_modal_data", "mm_processor_kwargs")
+
+
+def _check_prompt_keys(prompt: dict[str, Any]) -> None:
+    unknown = sorted(set(prompt) - _PROMPT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt: unknown key(s) {unknown}; a prompt dict takes {sorted(_PROMPT_KEYS)}")
+    for key in _TEXT_ONLY_KEYS:
+        if prompt.get(key):
+            raise ValueError(f"{key}: not supported (rlserve's models are text-only), got {prompt[key]!r}")
+
+
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, dict):
+        _check_prompt_keys(prompt)
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list):

@@ -26,3 +26,7 @@ class CoreStartup:
     # What the ranks of a data-parallel lockstep group present to each other's wave-notice sockets (dp_lockstep.py):
     # one per group, from the launcher that starts them all; None outside lockstep.
     lockstep_secret: str | None = None
+    # Whether the front end runs under rlserve's vllm surface (rlserve.vllm_surface.active): the core then runs its
+    # worker extension under it too, whatever the environment of the fork server it comes from (the one that server
+    # started with, maybe before the front end asked for the surface).
+    vllm_surface: bool = False

@@ -32,19 +32,18 @@ class Worker:
 
     rank = 0
     local_rank = 0
+    vllm_config: EngineConfig
     model_runner: ModelRunner
     device: torch.device
 
-    def __init__(self, runner: ModelRunner, transfers: TransferHolder) -> None:
-        self.model_runner = runner
-        self.device = runner.device
+    def __init__(self, *, vllm_config: EngineConfig, model_runner: ModelRunner, transfers: TransferHolder) -> None:
+        """Keywords only, as vLLM builds its workers: an extension's `__new__` reads them (verl's reads
+        `vllm_config`). `vllm_config`: vLLM's `worker.vllm_config`, which extensions hand back to vLLM functions
+        (`set_current_vllm_config`): the engine's config."""
+        self.vllm_config = vllm_config
+        self.model_runner = model_runner
+        self.device = model_runner.device
         self._transfers = transfers
-
-    @property
-    def vllm_config(self) -> EngineConfig:
-        """vLLM's `worker.vllm_config`, which extensions hand back to vLLM functions (`set_current_vllm_config`):
-        the engine's config."""
-        return self.model_runner.config
 
     @property
     def model_config(self) -> EngineConfig:
@@ -79,15 +78,16 @@ def import_class(path: str) -> type:
 
 def make_worker(runner: ModelRunner, extension_cls: str | None, transfers: TransferHolder) -> Worker:
     """The engine's worker, with the extension's methods mixed in (as vLLM does; a name both define is an error)."""
+    kwargs = {"vllm_config": runner.config, "model_runner": runner, "transfers": transfers}
     if extension_cls is None:
-        return Worker(runner, transfers)
+        return Worker(**kwargs)
     extension = import_class(extension_cls)
     worker_names = set(vars(Worker)) | set(Worker.__annotations__)
     clashes = sorted(n for n in vars(extension) if not n.startswith("__") and n in worker_names)
     if clashes:
         raise ValueError(f"worker_extension_cls: {extension.__name__} redefines worker attributes {clashes}")
     cls = type(f"WorkerWith{extension.__name__}", (Worker, extension), {})
-    return cls(runner, transfers)
+    return cls(**kwargs)
 
 
 def extension_methods(worker: Worker) -> set[str]:

@@ -72,6 +72,11 @@ class ModelRunner:
         with self.on_device():
             self._build(config)
 
+    @property
+    def vllm_config(self) -> EngineConfig:
+        """vLLM's `model_runner.vllm_config` (verl's worker extension reads it): the engine's config."""
+        return self.config
+
     def on_device(self) -> contextlib.AbstractContextManager:
         """Make this engine's GPU the thread's current one: Triton kernels and CUDA graph capture use the current
         device (per thread), which for an engine on cuda:1 driven from any thread is not its own."""
