@@ -220,10 +220,9 @@ class DecoderForCausalLM(nn.Module):
         """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
         return MLP(self.spec, self.tp)
 
-    def quantize_fp8(self, scheme: Fp8Scheme, on_cuda: bool = False) -> None:
+    def quantize_fp8(self, scheme: Fp8Scheme) -> None:
         """Make the decoder layers' dense projections FP8 (rlserve.model.fp8); the LM head and embeddings stay in the
-        model dtype. Called on the meta device, before the loader gives parameters storage; `on_cuda`: for a CUDA
-        device, whose block-scaled GEMM constrains the shapes further."""
+        model dtype. Called on the meta device, before the loader gives parameters storage."""
         if self.spec.moe is not None:
             raise ValueError(
                 f"quantization {scheme.method}: {self.spec.architecture} is a MoE model, and FP8 experts (the fused "
@@ -231,7 +230,7 @@ class DecoderForCausalLM(nn.Module):
             )
         for module in self._lora_targets():
             if scheme.block_wise:
-                module.check_fp8_blocks(on_cuda)
+                module.check_fp8_blocks()
             module.quantize_fp8(scheme)
 
     def _fp8_module(self, name: str) -> Linear | None:
