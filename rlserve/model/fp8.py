@@ -63,6 +63,31 @@ class Fp8Scheme:
 FP8_METHODS = ("fp8", "fbgemm_fp8")
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """The scales of a MoE layer's stacked fp8 experts w13 [E, 2I, H] and w2 [E, H, I], as the fused MoE kernel reads
+    them: block-wise each expert's weight_scale_inv, [E, 2I/128, H/128] and [E, H/128, I/128]; per-channel each
+    expert's weight_scale without its unit column, [E, 2I] and [E, H]."""
+
+    scheme: Fp8Scheme
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def block_wise(self) -> bool:
+        return self.scheme.block_wise
+
+    def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        for name, weight, scale in (("w13", w13, self.w13), ("w2", w2, self.w2)):
+            experts, rows, cols = weight.shape
+            want = (experts, *self.scheme.scale_shape(rows, cols))[: 3 if self.block_wise else 2]
+            if tuple(scale.shape) != want or scale.dtype != torch.float32:
+                raise ValueError(
+                    f"fused_moe: {name}'s {self.scheme.method} scales are {tuple(scale.shape)} {scale.dtype}; its "
+                    f"weight {tuple(weight.shape)} needs {want} float32"
+                )
+
+
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
 

@@ -29,6 +29,7 @@ from torch import nn
 from rlserve.model import batch_invariant, expert_parallel
 from rlserve.model.expert_parallel import ExpertShard
 from rlserve.model.forward_context import ForwardContext
+from rlserve.model.fp8 import ExpertScales, fp8_linear
 from rlserve.model.layers import Linear, ShardSlice, fused_kernels, silu_and_mul
 from rlserve.model.parallel import TensorParallelGroup
 
@@ -109,13 +110,26 @@ def experts_reference(
     ids: torch.Tensor,
     batch_invariant_mode: bool = False,
     out_dtype: torch.dtype | None = None,
+    fp8: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The experts in PyTorch: x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights/ids [T, K] -> [T, H] (in
     `out_dtype`, default x's). An id of -1 is an expert held elsewhere (expert parallel): that term is left out.
+    With `fp8`, w13 and w2 are float8_e4m3fn with those scales, each projection rlserve.model.fp8.fp8_linear.
 
     Differentiable (the trainer's forward); its per-expert loop reads the expert counts on the host."""
     num_tokens, top_k = ids.shape
-    linear = batch_invariant.linear if batch_invariant_mode else F.linear
+    if fp8 is None:
+        plain = batch_invariant.linear if batch_invariant_mode else F.linear
+
+        def linear(a: torch.Tensor, w: torch.Tensor, expert: int, scales: torch.Tensor | None) -> torch.Tensor:
+            return plain(a, w[expert])
+    else:
+
+        def linear(a: torch.Tensor, w: torch.Tensor, expert: int, scales: torch.Tensor | None) -> torch.Tensor:
+            scale = scales[expert] if fp8.block_wise else scales[expert].unsqueeze(1)  # per channel: [rows, 1]
+            return fp8_linear(a, w[expert], scale, None, fp8.scheme)
+
+    w13_scales, w2_scales = (fp8.w13, fp8.w2) if fp8 is not None else (None, None)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, the absent ones (-1) first
     counts = torch.bincount(flat + 1, minlength=w13.shape[0] + 1).tolist()
@@ -123,8 +137,8 @@ def experts_reference(
     for expert, count in enumerate(counts[1:]):
         if count:
             rows = order[start : start + count]
-            h = silu_and_mul(linear(x[rows // top_k], w13[expert]))
-            outputs.append(linear(h, w2[expert]))
+            h = silu_and_mul(linear(x[rows // top_k], w13, expert, w13_scales))
+            outputs.append(linear(h, w2, expert, w2_scales))
             start += count
     out_dtype = out_dtype or x.dtype
     if not outputs:
