@@ -14,7 +14,7 @@ from torch import nn
 from rlserve.lora.peft import PEFTAdapter
 from rlserve.model import batch_invariant
 from rlserve.model.forward_context import ForwardContext
-from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, Fp8Scheme
 from rlserve.model.layers import (
     Linear,
     MergedColumnParallelLinear,
@@ -216,6 +216,8 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    fp8_scheme: Fp8Scheme | None = None  # set by quantize_fp8
+
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
         return MLP(self.spec, self.tp)
@@ -232,6 +234,32 @@ class DecoderForCausalLM(nn.Module):
             if scheme.block_wise:
                 module.check_fp8_blocks()
             module.quantize_fp8(scheme)
+        self.fp8_scheme = scheme
+
+    def unfuse_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`weights` with each tensor of a fused parameter under vLLM's kernel name (`...qkv_proj.weight`,
+        `...gate_up_proj.weight_scale_inv`: the checkpoint tensors stacked by rows, as a trainer that quantizes for
+        vLLM's kernels sends them) split into its checkpoint tensors (`q_proj`, `k_proj`, ...); the rest as they
+        are. A fused tensor whose rows are not the sum of its parts' is refused by name."""
+        fused_modules = set(self.fused_names.values())
+        out = []
+        for name, tensor in weights:
+            parts = name.split(".")
+            if len(parts) < 2 or parts[-2] not in fused_modules or ".layers." not in name:
+                out.append((name, tensor))
+                continue
+            module = self.get_submodule(".".join(parts[:-1]))
+            rows_per = BLOCK if parts[-1] == "weight_scale_inv" else 1  # block scales: a row per 128 weight rows
+            sizes = [module.full_sizes[sub] // rows_per for sub in module.shard_ids]
+            if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"weight {name!r}: shape {list(tensor.shape)}, but its {', '.join(module.shard_ids)} have "
+                    f"{sum(sizes)} rows"
+                )
+            prefix = ".".join(parts[:-2])
+            pieces = zip(module.shard_ids, tensor.split(sizes), strict=True)
+            out += [(f"{prefix}.{sub}.{parts[-1]}", piece) for sub, piece in pieces]
+        return out
 
     def _fp8_module(self, name: str) -> Linear | None:
         """The FP8 projection that checkpoint tensor `name` (its weight or its scales) belongs to, if any."""
