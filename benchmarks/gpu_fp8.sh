@@ -18,7 +18,7 @@ REPEATS=${REPEATS:-3}
 METHODS_8B=${METHODS_8B:-none,fp8}
 mkdir -p "$OUT"
 if [ "${SMOKE:-0}" = 1 ]; then
-  DEVICE=cpu PRESET_8B=tiny-fp8 PRESET_30B=tiny-moe SCALE=0.01 TESTS=tests/model/test_fp8.py
+  DEVICE=cpu PRESET_8B=tiny-fp8 PRESET_30B=tiny-moe-fp8 SCALE=0.01 TESTS=tests/model/test_fp8.py
   PARITY_ARGS=(--device cpu --preset tiny-fp8 --scenarios fp8 --num-prompts 2 --prompt-len 8 --max-tokens 4)
 else
   DEVICE=cuda PRESET_8B=qwen3-8b-shape PRESET_30B=qwen3-30b-a3b-shape SCALE=1 TESTS="tests/gpu/test_fp8_gpu.py tests/gpu/test_moe_gpu.py"

@@ -162,6 +162,10 @@ class Linear(nn.Linear):
     def fp8_scale(self) -> torch.Tensor:
         return getattr(self, self.fp8.scale_name)
 
+    def fp8_weights(self) -> dict[str, str]:
+        """FP8 weight parameter name -> its scale parameter's name (as rlserve.model.moe.FusedExperts has)."""
+        return {"weight": self.fp8.scale_name}
+
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, in FP8, batch-invariant or plain."""
         if self.fp8 is not None:
@@ -211,7 +215,7 @@ class ShardedWeights:
         scheme = getattr(self, "fp8", None)
         if scheme is None or param_name != scheme.scale_name:
             return self.shard_slice(param_name, shard_id, rank)
-        return _scale_slice(self.shard_slice("weight", shard_id, rank), scheme)
+        return scale_slice(self.shard_slice("weight", shard_id, rank), scheme)
 
     def check_fp8_blocks(self) -> None:
         """Block-wise FP8 needs every checkpoint tensor's part on this rank to be whole 128x128 blocks: a block across
@@ -236,7 +240,7 @@ class ShardedWeights:
         sl.of_param(param.data).copy_(sl.of_checkpoint(loaded_weight))
 
 
-def _scale_slice(weight: ShardSlice, scheme: Fp8Scheme) -> ShardSlice:
+def scale_slice(weight: ShardSlice, scheme: Fp8Scheme) -> ShardSlice:
     """Where the scales of `weight`'s part sit: the same rows and columns in blocks of 128 (block-wise), or the same
     rows and the one column (per-channel, whose scale covers a whole row, so a split of the columns shares it)."""
     full = scheme.scale_shape(*weight.full_shape)

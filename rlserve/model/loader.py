@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from rlserve.dtypes import TORCH_DTYPES
-from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme, scheme_from_hf_config, weight_scale_storage
+from rlserve.model.fp8 import Fp8Scheme, scheme_from_hf_config, weight_scale_storage
 from rlserve.model.layers import Linear, RotaryEmbedding
 from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
@@ -132,18 +132,20 @@ def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHT
             device = param.device
             if device not in generators:  # made where the weights are: no host copy of a large model
                 generators[device] = torch.Generator(device=device).manual_seed(seed)
-            if param.dtype == FP8_DTYPE:  # dummy values in fp32, quantized with their scales
-                _dummy_fp8(module, generators[device])
-            elif not (isinstance(module, Linear) and module.fp8 is not None and name == module.fp8.scale_name):
+            fp8_weights = module.fp8_weights() if getattr(module, "fp8", None) is not None else {}
+            if name in fp8_weights:  # dummy values in fp32, quantized with their scales
+                _dummy_fp8(module, name, fp8_weights[name], generators[device])
+            elif name not in fp8_weights.values():
                 param.data.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generators[device])
 
 
-def _dummy_fp8(module: Linear, generator: torch.Generator) -> None:
-    weight = torch.empty(module.weight.shape, device=module.weight.device)
+def _dummy_fp8(module: torch.nn.Module, weight_name: str, scale_name: str, generator: torch.Generator) -> None:
+    param = getattr(module, weight_name)
+    weight = torch.empty(param.shape, device=param.device)
     weight.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generator)
     q, scale = module.fp8.quantize(weight)
-    module.weight.data.copy_(q)
-    module.fp8_scale.data.copy_(scale)
+    param.data.copy_(q)
+    getattr(module, scale_name).data.copy_(scale)
 
 
 def load_model(
