@@ -22,7 +22,9 @@ import triton.language as tl
 from rlserve.model.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, scaled_mm_rows
 
 
-@triton.jit
+# The token count (and the block-wise scales' column stride, the padded count) changes every step: specialising on it
+# (== 1, divisible by 16) would compile variants mid-run.
+@triton.jit(do_not_specialize=["num_tokens", "stride_scale_group"])
 def _quantize_kernel(
     x_ptr,
     q_ptr,
