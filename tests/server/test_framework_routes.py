@@ -187,6 +187,7 @@ def fp8_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     )
 
 
+@pytest.mark.slow  # its own FP8 server: a start-up (~5 s idle) and three streams
 def test_prime_rl_quantized_transfer_loads_the_trainers_fp8_layers(
     fp8_model_dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:
