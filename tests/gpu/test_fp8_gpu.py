@@ -85,12 +85,25 @@ def test_cuda_gemm_equals_the_reference_arithmetic(scheme: Fp8Scheme, shape: tup
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("fp8-gpu")
-    return (
-        make_model_dir(root / "old", preset="tiny-fp8", seed=0, dtype=torch.bfloat16),
-        make_model_dir(root / "new", preset="tiny-fp8", seed=1, dtype=torch.bfloat16),
-    )
+def model_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """(old, new) bf16 checkpoints of a preset, made once per module."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def make(preset: str) -> tuple[Path, Path]:
+        if preset not in made:
+            root = tmp_path_factory.mktemp(f"fp8-gpu-{preset}")
+            made[preset] = (
+                make_model_dir(root / "old", preset=preset, seed=0, dtype=torch.bfloat16),
+                make_model_dir(root / "new", preset=preset, seed=1, dtype=torch.bfloat16),
+            )
+        return made[preset]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def dirs(model_dirs) -> tuple[Path, Path]:
+    return model_dirs("tiny-fp8")
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -100,10 +113,11 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+@pytest.mark.parametrize("preset", ["tiny-fp8", "tiny-moe-fp8"])  # dense, and FP8 experts in the fused MoE kernel
 def test_update_keeps_the_captured_pointers_and_outputs_equal_a_fresh_engine(
-    dirs, method: str, monkeypatch: pytest.MonkeyPatch
+    model_dirs, preset: str, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    old, new = dirs
+    old, new = model_dirs(preset)
     monkeypatch.setenv("RLSERVE_ENABLE_MULTIPROCESSING", "0")  # the test reads the runner's parameters
     common = dict(device="cuda", dtype="bfloat16", quantization=method, num_kv_blocks=256, max_model_len=256)
     fresh = LLM(str(new), **common)
