@@ -207,6 +207,22 @@ def test_checkpoint_configs_are_read_or_refused_by_name() -> None:
     assert scheme_from_hf_config(None, FbgemmFp8Config(modules_to_not_convert=["lm_head"]).to_dict()) == PER_CHANNEL
 
 
+@pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+def test_an_fp8_moe_checkpoint_loads_as_the_checkpoint_quantized_at_load(tmp_path: Path, method: str) -> None:
+    """Qwen3-MoE: each expert's fp8 weights and scales (`experts.E.gate_proj.weight_scale_inv`, ...) land in the
+    stacked experts exactly where quantizing the bf16 checkpoint at load puts them."""
+    model_dir = make_model_dir(tmp_path / "moe", preset="tiny-moe-fp8", seed=3)
+    from_file, _ = load_model(str(make_fp8_model_dir(tmp_path / "fp8", model_dir, method)), "float32", "cpu")
+    at_load, _ = load_model(str(model_dir), "float32", torch.device("cpu"), quantization=method)
+    got, want = dict(from_file.checkpoint_weights()), dict(at_load.checkpoint_weights())
+    scale = f"model.layers.1.mlp.experts.3.up_proj.{Fp8Scheme(method).scale_name}"
+    assert scale in got and got.keys() == want.keys()
+    assert all(
+        torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want if got[n].dtype == FP8_DTYPE
+    )
+    assert all(torch.equal(got[n], want[n]) for n in want if got[n].dtype != FP8_DTYPE)
+
+
 def test_an_fp8_checkpoint_without_a_scale_is_refused(tmp_path: Path) -> None:
     fp8_dir = make_fp8_model_dir(tmp_path / "fp8", make_model_dir(tmp_path / "bf16", preset="tiny-fp8"))
     tensors = load_file(str(fp8_dir / "model.safetensors"))
