@@ -8,8 +8,9 @@
 #   - parity: the rows of fp8 as loaded and after 10 updates against the HF bf16 trainer, and bf16's.
 #     run(command="bash benchmarks/gpu_fp8.sh", carry=[".whl"], timeout_s=600)
 # The FP8 GPU tests (GEMMs and the fused activation kernel against the reference, the FP8 fused MoE, updates under
-# CUDA graphs, dense and MoE) are a second call, as they do not fit beside the figures in 600 s:
-#     run(command="ONLY=fp8_tests bash benchmarks/gpu_fp8.sh", carry=[".whl"], timeout_s=600)
+# CUDA graphs, dense and MoE) and where a projection's time goes (fp8_gemm.py: bf16 GEMM, quantization, scaled GEMM)
+# are a second call, as they do not fit beside the figures in 600 s:
+#     run(command="ONLY='fp8_tests fp8_gemm' bash benchmarks/gpu_fp8.sh", carry=[".whl"], timeout_s=600)
 # Each part has its own time limit (the figures' add up to under 600 s; a part cut off keeps what it wrote: the W1
 # parts write after every engine); ONLY="part ..." runs just those, SKIP="part ..." leaves parts out.
 # CPU smoke (tests/benchmarks/test_benchmark_scripts.py): SMOKE=1 runs the parts on tiny presets on the CPU.
@@ -49,7 +50,8 @@ w1() {  # w1 NAME LIMIT_S PRESET METHODS
     --scale "$SCALE" --quantization "$4" --rounds 1 --repeats "$REPEATS" --out "$OUT/$1.json"
 }
 # shellcheck disable=SC2086  # TESTS is a list of files
-part fp8_tests 580 python3 -m pytest -q $TESTS -p no:cacheprovider
+part fp8_tests 450 python3 -m pytest -q $TESTS -p no:cacheprovider
+part fp8_gemm 120 python3 benchmarks/fp8_gemm.py
 w1 w1_8b 190 "$PRESET_8B" "$METHODS_8B"
 w1 w1_30b 230 "$PRESET_30B" none,fp8
 part fp8_update 45 python3 benchmarks/fp8_update.py --device "$DEVICE" --preset "$PRESET_8B" --repeats "$REPEATS" \

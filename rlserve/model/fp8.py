@@ -168,7 +168,7 @@ def fp8_linear(
     group = BLOCK if scheme.block_wise else None
     if x.is_cuda:  # the GEMM writes bf16 (what cuBLASLt's scaled GEMMs support everywhere); fp16/fp32 models cast
         xq, xs = (quantize_for_gemm or scaled_mm_activation)(x2, group)
-        y = _scaled_mm(xq, xs, weight, scale, scheme, torch.bfloat16)[: x2.shape[0]].to(x.dtype)
+        y = scaled_gemm(xq, xs, weight, scale, scheme, torch.bfloat16)[: x2.shape[0]].to(x.dtype)
     else:
         xq, xs = quantize_activation(x2, group)
         y = reference_matmul(xq, xs, weight, scale, scheme).to(x.dtype)
@@ -228,7 +228,7 @@ def gemm_weight_scales(scale: torch.Tensor) -> torch.Tensor:
     return scale.as_strided((rows, padded_cols), (padded_cols, 1)).t()
 
 
-def _scaled_mm(
+def scaled_gemm(
     xq: torch.Tensor,
     xs: torch.Tensor,
     weight: torch.Tensor,
