@@ -10,6 +10,7 @@ the update time with quantization is W4's transfer plus this column's FP8 load, 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="qwen3-8b-shape")
     ap.add_argument("--repeats", type=int, default=3, help="timed updates per model, after one untimed")
+    ap.add_argument("--out", default=None, help="write the medians (seconds per method) as JSON here")
     args = ap.parse_args()
     device = torch.device(args.device)
     cfg = load_hf_config(str(make_config_dir(Path(tempfile.mkdtemp()) / args.preset, args.preset)))
@@ -58,6 +60,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     for method, s in medians.items():
         print(f"{method}: {s * 1e3:.0f} ms, {s / medians['none']:.2f}x bf16's")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"preset": args.preset, "repeats": args.repeats, "median_s": medians}))
 
 
 if __name__ == "__main__":

@@ -205,10 +205,11 @@ class EngineConfig:
     )
     quantization: str | None = _option(
         None,
-        "fp8: the decoder's projections in FP8 with 128x128 block scales (weight_scale_inv), activations per token "
-        "and 128 features; fbgemm_fp8: per-channel weight scales (weight_scale), activations per token. A checkpoint "
-        "in the model dtype is quantized at load and on every weight update; an FP8 checkpoint (its config's "
-        "quantization_config) loads as it is, also without this. The LM head stays in the model dtype. "
+        "fp8: the decoder's projections (and a MoE model's experts) in FP8 with 128x128 block scales "
+        "(weight_scale_inv), activations per token and 128 features; fbgemm_fp8: per-channel weight scales "
+        "(weight_scale), activations per token. A checkpoint in the model dtype is quantized at load and on every "
+        "weight update; an FP8 checkpoint (its config's quantization_config) loads as it is, also without this. "
+        "The LM head stays in the model dtype. "
         "bf16_last_layer_fp32: dtype bfloat16 with lm_head_dtype float32",
         QUANTIZATIONS,
     )

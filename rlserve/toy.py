@@ -102,6 +102,19 @@ PRESETS: dict[str, dict] = {
         num_experts_per_tok=2,
         norm_topk_prob=True,
     ),
+    # Every projection and expert whole 128x128 blocks, for block-wise FP8 experts on CPU.
+    "tiny-moe-fp8": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
     "small-moe": dict(
         hidden_size=128,
         intermediate_size=384,
@@ -131,7 +144,7 @@ PRESETS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
-MOE_PRESETS = ("tiny-moe", "small-moe", "qwen3-30b-a3b-shape")
+MOE_PRESETS = ("tiny-moe", "tiny-moe-fp8", "small-moe", "qwen3-30b-a3b-shape")
 
 
 def preset_architecture(preset: str) -> str:

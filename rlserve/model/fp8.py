@@ -15,7 +15,7 @@ computes up to its accumulation order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 BLOCK = 128
 # Smallest amax a scale is computed from: an all-zero block gets a tiny scale (its q are 0), never a 0 to divide by.
-_MIN_AMAX = 1e-12
+MIN_AMAX = 1e-12
 # The decoder projections whose weights are quantized (checkpoint sub-names); the LM head, embeddings, norms and a
 # MoE router stay in the model dtype.
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -63,8 +63,33 @@ class Fp8Scheme:
 FP8_METHODS = ("fp8", "fbgemm_fp8")
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """The scales of a MoE layer's stacked fp8 experts w13 [E, 2I, H] and w2 [E, H, I], as the fused MoE kernel reads
+    them: block-wise each expert's weight_scale_inv, [E, 2I/128, H/128] and [E, H/128, I/128]; per-channel each
+    expert's weight_scale without its unit column, [E, 2I] and [E, H]."""
+
+    scheme: Fp8Scheme
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def block_wise(self) -> bool:
+        return self.scheme.block_wise
+
+    def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        for name, weight, scale in (("w13", w13, self.w13), ("w2", w2, self.w2)):
+            experts, rows, cols = weight.shape
+            want = (experts, *self.scheme.scale_shape(rows, cols))[: 3 if self.block_wise else 2]
+            if tuple(scale.shape) != want or scale.dtype != torch.float32:
+                raise ValueError(
+                    f"fused_moe: {name}'s {self.scheme.method} scales are {tuple(scale.shape)} {scale.dtype}; its "
+                    f"weight {tuple(weight.shape)} needs {want} float32"
+                )
+
+
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=_MIN_AMAX) / FP8_MAX
+    return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -124,17 +149,28 @@ def dequantize_activation(q: torch.Tensor, scale: torch.Tensor, group: int | Non
     return (q.float().view(q.shape[0], -1, group) * scale.unsqueeze(-1)).view(q.shape)
 
 
+ActivationQuantizer = Callable[[torch.Tensor, int | None], tuple[torch.Tensor, torch.Tensor]]
+
+
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, scheme: Fp8Scheme
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    scheme: Fp8Scheme,
+    quantize_for_gemm: ActivationQuantizer | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ bias) for an fp8 weight with its scales; x [..., in] in the model dtype, the result in x's dtype."""
+    """x W^T (+ bias) for an fp8 weight with its scales; x [..., in] in the model dtype, the result in x's dtype.
+    On CUDA the activations are quantized by `quantize_for_gemm` (the fused kernel of
+    rlserve.model.kernels.fp8_quant, which rlserve.model.layers passes where Triton is) or `scaled_mm_activation`."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     group = BLOCK if scheme.block_wise else None
-    xq, xs = quantize_activation(x2, group)
     if x.is_cuda:  # the GEMM writes bf16 (what cuBLASLt's scaled GEMMs support everywhere); fp16/fp32 models cast
-        y = _scaled_mm(xq, xs, weight, scale, scheme, torch.bfloat16).to(x.dtype)
+        xq, xs = (quantize_for_gemm or scaled_mm_activation)(x2, group)
+        y = scaled_gemm(xq, xs, weight, scale, scheme, torch.bfloat16)[: x2.shape[0]].to(x.dtype)
     else:
+        xq, xs = quantize_activation(x2, group)
         y = reference_matmul(xq, xs, weight, scale, scheme).to(x.dtype)
     if bias is not None:
         y = y + bias
@@ -149,7 +185,50 @@ def reference_matmul(
     return dequantize_activation(xq, xs, group) @ scheme.dequantize(weight, scale).t()
 
 
-def _scaled_mm(
+def scaled_mm_rows(num_tokens: int, group: int | None) -> int:
+    """The rows of the activation operand scaled_mm gets: cuBLASLt's block-scaled GEMM wants the activation scales'
+    leading dimension (the token count) a multiple of 4, so block-wise pads the tokens (zero rows, unit scales)."""
+    return num_tokens if group is None else -(-num_tokens // 4) * 4
+
+
+def scaled_mm_activation(x: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activation` laid out for scaled_mm: per token as it is; block-wise with the tokens padded
+    (`scaled_mm_rows`) and the scales column-major with strides (1, rows), which torch 2.11's scaled_mm checks. The
+    PyTorch reference of rlserve.model.kernels.fp8_quant.quantize_activation, which computes it in one launch."""
+    xq, xs = quantize_activation(x, group)
+    rows = scaled_mm_rows(x.shape[0], group)
+    if group is None:
+        return xq, xs
+    if rows != x.shape[0]:
+        xq = torch.cat([xq, xq.new_zeros(rows - x.shape[0], xq.shape[1])])
+        xs = torch.cat([xs, xs.new_ones(rows - x.shape[0], xs.shape[1])])
+    column_major = torch.empty_strided(xs.shape, (1, rows), dtype=xs.dtype, device=xs.device)
+    column_major.copy_(xs)
+    return xq, column_major
+
+
+def weight_scale_storage(shape: tuple[int, int], device: torch.device | str) -> torch.Tensor:
+    """Storage for a block-wise `weight_scale_inv` [out/128, in/128]: a view of a zeroed [out/128, L4] buffer, L4 =
+    in/128 rounded up to a multiple of 4, which is what cuBLASLt's 128x128 block scaling reads (transposed: [L4,
+    out/128], L4-major). The padding columns are never a scale of anything (the GEMM has in/128 groups)."""
+    rows, cols = shape
+    return torch.zeros((rows, -(-cols // 4) * 4), dtype=torch.float32, device=device)[:, :cols]
+
+
+def gemm_weight_scales(scale: torch.Tensor) -> torch.Tensor:
+    """The [L4, out/128] L4-major operand of `scale` [out/128, in/128]: the padded buffer behind a
+    `weight_scale_storage` view, transposed (no copy), or a padded copy where the storage lost its padding (a weight
+    brought back from sleep is contiguous)."""
+    rows, cols = scale.shape
+    padded_cols = -(-cols // 4) * 4
+    if scale.stride() != (padded_cols, 1):
+        padded = weight_scale_storage((rows, cols), scale.device)
+        padded.copy_(scale)
+        scale = padded
+    return scale.as_strided((rows, padded_cols), (padded_cols, 1)).t()
+
+
+def scaled_gemm(
     xq: torch.Tensor,
     xs: torch.Tensor,
     weight: torch.Tensor,
@@ -157,32 +236,24 @@ def _scaled_mm(
     scheme: Fp8Scheme,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    """The FP8 GEMM on operands laid out by `scaled_mm_activation` (or its kernel); [rows, out] in out_dtype."""
     recipe = F.ScalingType
     if not scheme.block_wise:
         return F.scaled_mm(
             xq, weight.t(), xs, recipe.RowWise, scale.reshape(1, -1), recipe.RowWise, output_dtype=out_dtype
         )
-    # cuBLASLt's block-scaled layouts, which torch 2.11's scaled_mm checks by stride: both scales compact and
-    # column-major, the activation's [tokens, in/128] with strides (1, tokens), the weight's [in/128, out/128] with
-    # strides (1, in/128), which is weight_scale_inv ([out/128, in/128], row-major) transposed as is. cuBLASLt wants
-    # the activation scales' leading dimension (the token count) a multiple of 4: the tokens are padded with zeros.
-    tokens = xq.shape[0]
-    padded = -(-tokens // 4) * 4
-    if padded != tokens:
-        xq = torch.cat([xq, xq.new_zeros(padded - tokens, xq.shape[1])])
-        xs = torch.cat([xs, xs.new_ones(padded - tokens, xs.shape[1])])
-    xs_column_major = torch.empty_strided(xs.shape, (1, padded), dtype=xs.dtype, device=xs.device)
-    xs_column_major.copy_(xs)
-    y = F.scaled_mm(
+    # cuBLASLt's block-scaled layouts, which torch 2.11's scaled_mm checks by stride: both scales column-major, the
+    # activation's [rows, in/128] with strides (1, rows), the weight's [in/128, out/128] with strides (1, ld): that is
+    # weight_scale_inv ([out/128, in/128], row-major) transposed as is.
+    return F.scaled_mm(
         xq,
         weight.t(),
-        xs_column_major,
+        xs,
         recipe.BlockWise1x128,
-        scale.t(),
+        gemm_weight_scales(scale),
         recipe.BlockWise128x128,
         output_dtype=out_dtype,
     )
-    return y[:tokens]
 
 
 def is_quantized_weight_name(name: str) -> bool:

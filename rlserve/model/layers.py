@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlserve.model import batch_invariant
-from rlserve.model.fp8 import BLOCK, FP8_DTYPE, Fp8Scheme, fp8_linear
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, ActivationQuantizer, Fp8Scheme, fp8_linear
 from rlserve.model.lora import LoRASlots
 from rlserve.model.parallel import TensorParallelGroup
 
@@ -34,6 +34,15 @@ def fused_kernels(x: torch.Tensor, exact: bool = False) -> ModuleType | None:
     from rlserve.model.kernels import fused_ops  # imported on first use, so that CPU-only runs never load Triton
 
     return fused_ops
+
+
+def fp8_activation_kernel(x: torch.Tensor) -> ActivationQuantizer | None:
+    """The fused FP8 activation quantization (rlserve.model.kernels.fp8_quant) where it runs: CUDA with Triton."""
+    if not (x.is_cuda and _HAS_TRITON):
+        return None
+    from rlserve.model.kernels.fp8_quant import quantize_activation
+
+    return quantize_activation
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,10 +162,14 @@ class Linear(nn.Linear):
     def fp8_scale(self) -> torch.Tensor:
         return getattr(self, self.fp8.scale_name)
 
+    def fp8_weights(self) -> dict[str, str]:
+        """FP8 weight parameter name -> its scale parameter's name (as rlserve.model.moe.FusedExperts has)."""
+        return {"weight": self.fp8.scale_name}
+
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, in FP8, batch-invariant or plain."""
         if self.fp8 is not None:
-            return fp8_linear(x, self.weight, self.fp8_scale, bias, self.fp8)
+            return fp8_linear(x, self.weight, self.fp8_scale, bias, self.fp8, fp8_activation_kernel(x))
         if self.batch_invariant:
             return batch_invariant.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
@@ -202,13 +215,12 @@ class ShardedWeights:
         scheme = getattr(self, "fp8", None)
         if scheme is None or param_name != scheme.scale_name:
             return self.shard_slice(param_name, shard_id, rank)
-        return _scale_slice(self.shard_slice("weight", shard_id, rank), scheme)
+        return scale_slice(self.shard_slice("weight", shard_id, rank), scheme)
 
-    def check_fp8_blocks(self, on_cuda: bool = False) -> None:
+    def check_fp8_blocks(self) -> None:
         """Block-wise FP8 needs every checkpoint tensor's part on this rank to be whole 128x128 blocks: a block across
-        two tensors of a fused layer (or two ranks) would have no one scale. On CUDA, torch's block-scaled scaled_mm
-        (cuBLASLt) also needs the input features in whole groups of four blocks (seen on the H200, torch 2.11: it
-        asks for the weight scales padded to a multiple of 4 rows of in/128)."""
+        two tensors of a fused layer (or two ranks) would have no one scale. (cuBLASLt's block-scaled GEMM also wants
+        the input's blocks in groups of four: the scales' storage is padded for that, rlserve.model.fp8.)"""
         for shard_id in self.shard_ids or (None,):
             sl = self.shard_slice("weight", shard_id, self.tp.rank)
             rows = sl.full_shape[0] if sl.length is None or sl.dim != 0 else sl.length
@@ -219,13 +231,6 @@ class ShardedWeights:
                     f"and rank) to be multiples of 128; {shard_id or type(self).__name__} has {rows}x{cols} here "
                     "(fbgemm_fp8, per-channel, has no such constraint)"
                 )
-        cols = self.weight.shape[1]  # type: ignore[attr-defined]
-        if on_cuda and cols % (4 * BLOCK):
-            raise ValueError(
-                f"quantization fp8: on CUDA, block-wise FP8 needs a projection's input features to be a multiple of "
-                f"{4 * BLOCK} (cuBLASLt's block-scaled GEMM); {type(self).__name__} has {cols} (fbgemm_fp8, "
-                "per-channel, has no such constraint)"
-            )
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None) -> None:
@@ -235,7 +240,7 @@ class ShardedWeights:
         sl.of_param(param.data).copy_(sl.of_checkpoint(loaded_weight))
 
 
-def _scale_slice(weight: ShardSlice, scheme: Fp8Scheme) -> ShardSlice:
+def scale_slice(weight: ShardSlice, scheme: Fp8Scheme) -> ShardSlice:
     """Where the scales of `weight`'s part sit: the same rows and columns in blocks of 128 (block-wise), or the same
     rows and the one column (per-channel, whose scale covers a whole row, so a split of the columns shares it)."""
     full = scheme.scale_shape(*weight.full_shape)

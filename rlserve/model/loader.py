@@ -11,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from rlserve.dtypes import TORCH_DTYPES
-from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme, scheme_from_hf_config
+from rlserve.model.fp8 import Fp8Scheme, scheme_from_hf_config, weight_scale_storage
 from rlserve.model.layers import Linear, RotaryEmbedding
 from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
@@ -90,16 +90,25 @@ def build_model(
     with torch.device("meta"):
         model = MODEL_CLASSES[spec.architecture](spec, rotary, tp, **extra)
         if fp8 is not None:
-            model.quantize_fp8(fp8, on_cuda=device.type == "cuda")
+            model.quantize_fp8(fp8)
     # Storage for each parameter, made with torch.empty: Module.to_empty goes through empty_like, whose meta
     # implementation imports sympy (a second of every engine's start-up).
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            storage = torch.empty(param.shape, dtype=_storage_dtype(module, name, param, dtype), device=device)
-            setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
+            setattr(module, name, torch.nn.Parameter(_storage(module, name, param, dtype, device), requires_grad=False))
     if spec.tie_word_embeddings:  # parameters were re-created: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def _storage(
+    module: torch.nn.Module, name: str, param: torch.nn.Parameter, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Uninitialised storage for `param`; a block-wise FP8 projection's scales in the padded layout the GEMM reads."""
+    scheme = module.fp8 if isinstance(module, Linear) else None
+    if scheme is not None and scheme.block_wise and name == scheme.scale_name:
+        return weight_scale_storage(tuple(param.shape), device)
+    return torch.empty(param.shape, dtype=_storage_dtype(module, name, param, dtype), device=device)
 
 
 def _storage_dtype(module: torch.nn.Module, name: str, param: torch.nn.Parameter, dtype: torch.dtype) -> torch.dtype:
@@ -123,18 +132,20 @@ def initialize_dummy_weights(model: DecoderForCausalLM, seed: int = DUMMY_WEIGHT
             device = param.device
             if device not in generators:  # made where the weights are: no host copy of a large model
                 generators[device] = torch.Generator(device=device).manual_seed(seed)
-            if param.dtype == FP8_DTYPE:  # dummy values in fp32, quantized with their scales
-                _dummy_fp8(module, generators[device])
-            elif not (isinstance(module, Linear) and module.fp8 is not None and name == module.fp8.scale_name):
+            fp8_weights = module.fp8_weights() if getattr(module, "fp8", None) is not None else {}
+            if name in fp8_weights:  # dummy values in fp32, quantized with their scales
+                _dummy_fp8(module, name, fp8_weights[name], generators[device])
+            elif name not in fp8_weights.values():
                 param.data.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generators[device])
 
 
-def _dummy_fp8(module: Linear, generator: torch.Generator) -> None:
-    weight = torch.empty(module.weight.shape, device=module.weight.device)
+def _dummy_fp8(module: torch.nn.Module, weight_name: str, scale_name: str, generator: torch.Generator) -> None:
+    param = getattr(module, weight_name)
+    weight = torch.empty(param.shape, device=param.device)
     weight.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generator)
     q, scale = module.fp8.quantize(weight)
-    module.weight.data.copy_(q)
-    module.fp8_scale.data.copy_(scale)
+    param.data.copy_(q)
+    getattr(module, scale_name).data.copy_(scale)
 
 
 def load_model(

@@ -65,6 +65,7 @@ HEAD_SCALES = {
     "tiny": 16.0,
     "small": 16.0,
     "tiny-fp8": 16.0,
+    "tiny-moe-fp8": 16.0,
     "qwen3-0.6b-shape": 8.0,
     "tiny-moe": 16.0,
     "small-moe": 16.0,

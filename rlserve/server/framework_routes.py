@@ -37,7 +37,7 @@ from rlserve.server.lora_routes import LoadLoRAAdapterRequest, LoRAAdapters
 from rlserve.server.metrics import ServerMetrics
 from rlserve.server.request_base import OpenAIBaseModel
 from rlserve.server.skyrl_routes import add_fetch_weights_route
-from rlserve.weight_transfer.framework_backends import FP8_NOT_YET, dtype_name_of, pipelinerl_update_info
+from rlserve.weight_transfer.framework_backends import dtype_name_of, pipelinerl_update_info
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,6 @@ def build_framework_router(
         """prime-rl: join its trainer's weight broadcast (blocks until the trainer and every server have joined).
         Only at a host the operator allows; a rendezvous that fails is one answer whatever the reason, as
         /init_weight_transfer_engine's (no port scanner)."""
-        if body.quantize_in_weight_transfer:
-            raise APIError(400, FP8_NOT_YET, "quantize_in_weight_transfer")
         await rendezvous_hosts.check_host(body.host, "host")
         init = engine.init_weight_transfer_engine({"init_info": body.model_dump()}, backend="prime_rl")
         try:

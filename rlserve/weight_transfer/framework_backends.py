@@ -10,6 +10,12 @@ before writing any of it and records what it wrote), used by the framework route
   count of state dicts (the non-layer weights, then one per layer), and per state dict an int64 byte count, the
   pickled metadata `{torch.dtype: [(name, torch.Size, numel), ...]}` as uint8, then one concatenated tensor per dtype.
   The metadata arrives in the stream, so it is checked per state dict (by the loader), not before the first byte.
+  With `quantize_in_weight_transfer` (an engine serving block-wise fp8 only) the trainer's
+  `preprocess_layer_quantized` sends each layer in vLLM's kernel format (`convert_layer_to_vllm_kernel(...,
+  quantize_fp8=True)`): 2-d projection weights float8_e4m3fn with fp32 `weight_scale_inv` [rows/128, cols/128], fused
+  projections under their fused names (`gate_up_proj` = gate and up stacked, quantized as one tensor); the non-layer
+  weights as they are. The fused ones are split into checkpoint tensors (`unfuse_weights`), then checked and
+  loaded as any FP8 update (its scales straight into the engine's: nothing requantized).
 - `pipelinerl` (PipelineRL 58d39345, `pipelinerl/vllm1.py`): rank `1 + actor_llm_idx * actor_ngpus + worker`; the
   trainer posts the metadata (`parameters_info`) over HTTP and broadcasts each parameter in that order, in its dtype.
 """
@@ -40,9 +46,9 @@ MAX_STATE_DICTS = 1 << 16  # layers + 1
 # A state dict claiming more bytes than this many times the model's own weights is not in step with the model (an
 # fp32 trainer sending to an 8-bit engine sends 4x): the stream is closed rather than an allocation attempted.
 MAX_BYTES_PER_MODEL_BYTE = 4
-FP8_NOT_YET = (
-    "quantize_in_weight_transfer: true is not supported; rlserve receives checkpoint-format (bf16/fp32) weights "
-    "only, the trainer's FP8 kernel-format layers are not implemented yet: set quantize_in_weight_transfer = false"
+FP8_KERNEL_FORMAT_NEEDS = (
+    "quantize_in_weight_transfer: true sends FP8 weights with 128x128 block scales (weight_scale_inv); this engine "
+    "does not serve them: start it with --quantization fp8 (or an fp8 checkpoint), or set it to false"
 )
 
 
@@ -97,8 +103,10 @@ class PrimeRLInitInfo(WeightTransferInitInfo):
     session_id: str = "default"
 
     def __post_init__(self) -> None:
-        if self.quantize_in_weight_transfer is not False:
-            raise ValueError(FP8_NOT_YET)
+        if not isinstance(self.quantize_in_weight_transfer, bool):
+            raise ValueError(
+                f"quantize_in_weight_transfer: must be true or false, got {self.quantize_in_weight_transfer!r}"
+            )
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a host name or address, got {self.host!r}")
         _check_int("port", self.port, 1, 65535)
@@ -125,8 +133,14 @@ class PrimeRLUpdateInfo(_UpdateInfo):
 class PrimeRLBroadcastEngine(_StatelessBackend):
     init_info_cls = PrimeRLInitInfo
     update_info_cls = PrimeRLUpdateInfo
+    kernel_format = False  # quantize_in_weight_transfer: the trainer sends FP8 layers under vLLM's kernel names
 
     def init_transfer_engine(self, init_info: PrimeRLInitInfo) -> None:
+        if init_info.quantize_in_weight_transfer:  # refused before the rendezvous: the trainer is told at once
+            scheme = getattr(self.model, "fp8_scheme", None)
+            if scheme is None or not scheme.block_wise:
+                raise ValueError(FP8_KERNEL_FORMAT_NEEDS)
+        self.kernel_format = init_info.quantize_in_weight_transfer
         rank = init_info.rank_offset + self.worker_index + 1  # rank 0 is the trainer's broadcaster
         self._join(init_info.host, init_info.port, rank, init_info.inference_world_size + 1, init_info.timeout)
         self._max_state_dict_bytes = MAX_BYTES_PER_MODEL_BYTE * _model_bytes(self.model)
@@ -144,6 +158,8 @@ class PrimeRLBroadcastEngine(_StatelessBackend):
             if error is not None:
                 continue
             try:
+                if self.kernel_format:  # vLLM kernel names for fused projections: split into checkpoint tensors
+                    weights = self.model.unfuse_weights(weights)
                 self._check(weights)
             except ValueError as e:
                 error = e if loaded_any else WeightUpdateRefused(str(e))

@@ -95,7 +95,7 @@ class StatelessGroupMember:
         """Start receiving `tensor` (contiguous) from rank 0; returns a Work whose `wait()` completes it."""
         if self._cpu is not None:
             return receive_broadcast(self._cpu, as_bytes(tensor), self.timeout_s)
-        torch.cuda.nccl.broadcast([tensor], root=0, comms=[self._nccl])
+        torch.cuda.nccl.broadcast([as_bytes(tensor)], root=0, comms=[self._nccl])  # fp8 too (same bytes as typed)
         return _Done()
 
     def shutdown(self) -> None:

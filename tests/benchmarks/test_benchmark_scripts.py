@@ -76,14 +76,17 @@ SLOW_SMOKE = {
     "dp_pause_latency.py",
     "async_updates.py",
 }
-GPU_ONLY = {"attention_kernels.py", "batch_invariant_profile.py", "receive_overlap.py"}  # Triton kernels, CUDA streams
+# Triton kernels, CUDA streams, cuBLASLt's FP8 GEMMs
+GPU_ONLY = {"attention_kernels.py", "batch_invariant_profile.py", "receive_overlap.py", "fp8_gemm.py"}
 # Run by another smoke: offline_generate.py, session_table.py and weight_sync.py (over gloo) by gpu_session.sh's,
+# fp8_table.py by gpu_fp8.sh's,
 # w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run fetches vLLM's
 # sdists and takes minutes) by test_vllm_rl_tests_classifies_a_fixture below.
 COVERED_BY = {
     "offline_generate.py": "gpu_session.sh",
     "weight_sync.py": "gpu_session.sh",
     "session_table.py": "gpu_session.sh",
+    "fp8_table.py": "gpu_fp8.sh",
     "w7_clients.py": "server_throughput.py",
     "vllm_rl_tests.py": "test_vllm_rl_tests_classifies_a_fixture",
 }
@@ -323,3 +326,24 @@ def test_vllm_rl_tests_classifies_a_fixture(tmp_path):
 def test_vllm_rl_tests_names_a_bad_source_dir(tmp_path):
     done = run_script([sys.executable, "benchmarks/vllm_rl_tests.py", "--source-dir", f"0.33.0={tmp_path}"])
     assert done.returncode != 0 and f"{tmp_path} has no tests/ directory" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_gpu_fp8_runs_in_cpu_smoke_mode(tmp_path):
+    """gpu_fp8.sh for real on the CPU (SMOKE=1: tiny presets, one timed run each): its MoE W1 part measures bf16 and
+    fp8 (FP8 attention and experts), the update part both layouts, and the table at the end has their rows and says
+    what was left out (the dense W1 part and the parity rows, whose scripts' own smokes run them)."""
+    done = run_script(
+        ["bash", "benchmarks/gpu_fp8.sh"],
+        timeout=300,
+        OUT=str(tmp_path),
+        SMOKE="1",
+        REPEATS="1",
+        SKIP="w1_8b parity",
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (tmp_path / "rc.txt").read_text().split() == ["w1_30b", "rc=0", "fp8_update", "rc=0"]
+    table = done.stdout.split("== summary")[-1]
+    for row in ("W1 Qwen3-30B-A3B shape, bf16:", "W1 Qwen3-30B-A3B shape, fp8:", "x bf16 (goal 1.3x)",
+                "full update load, fp8:", "W1 Qwen3-8B shape: missing", "parity: missing"):  # fmt: skip
+        assert row in table, table

@@ -275,3 +275,77 @@ def test_two_tensor_parallel_ranks_hold_their_parts_of_the_same_quantization(dir
         assert _greedy(llm)
     finally:
         llm.shutdown()
+
+
+# --- MoE: FP8 experts (rlserve.model.moe.FusedExperts), the CPU path of the fused MoE kernel's arithmetic ---------
+
+EXPERT = "model.layers.0.mlp.experts.1.up_proj"
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fp8-moe")
+    return {
+        "old": make_peaked_model_dir(root / "old", preset="tiny-moe-fp8", seed=0),
+        "new": make_model_dir(root / "new", preset="tiny-moe-fp8", seed=1),
+    }
+
+
+def test_moe_experts_in_fp8_load_update_and_refuse(moe_dirs: dict[str, Path], make_llm) -> None:
+    """A Qwen3-MoE engine with FP8 experts: loaded as the checkpoint quantized (each expert's weights and block
+    scales), logprobs close to the unquantized engine's, an update in the model dtype quantized in place (per-expert
+    names, and transformers 5's stacked experts) equal to the new checkpoint quantized and to a fresh engine of it, the
+    trainer's quantized experts loaded as they are, and a wrong expert scale refused with nothing changed."""
+    old, new = moe_dirs["old"], moe_dirs["new"]
+    plain = make_llm(old, in_process=True)
+    try:
+        reference = _greedy(plain)
+    finally:
+        plain.shutdown()
+    llm = make_llm(old, in_process=True, quantization="fp8")
+    try:
+        assert compare_checksums(weight_checksums(_quantized(old).items()), llm.weight_checksums())["match"]
+        got = _greedy(llm)
+        diffs = torch.tensor(
+            [a - b for (_, x), (_, y) in zip(got, reference, strict=True) for a, b in zip(x, y, strict=True)]
+        )
+        assert diffs.abs().mean() < MEAN_ABS_TOLERANCE, diffs
+        pointers = _pointers(llm)
+        llm.load_weights(list(_checkpoint(new).items()))
+        assert _pointers(llm) == pointers
+        expected = weight_checksums(_quantized(new).items())
+        assert compare_checksums(expected, llm.weight_checksums())["match"]
+        fresh = make_llm(new, in_process=True, quantization="fp8")
+        try:
+            assert _greedy(llm) == _greedy(fresh)
+        finally:
+            fresh.shutdown()
+        quantized_old = _quantized(old)
+        before = llm.weight_checksums()
+        wrong = dict(quantized_old, **{f"{EXPERT}.weight_scale_inv": torch.ones(2, 1)})
+        with pytest.raises(
+            ValueError, match=f"{EXPERT}.weight_scale_inv': shape \\[2, 1\\] does not match .*\\[1, 1\\]"
+        ):
+            llm.load_weights(list(wrong.items()))
+        assert llm.weight_checksums() == before
+        llm.load_weights(list(quantized_old.items()))  # the trainer quantized: weights and scales as they are
+        assert llm.weight_checksums() == weight_checksums(quantized_old.items())
+        hf = AutoModelForCausalLM.from_pretrained(str(new))  # transformers 5: stacked experts [E, 2I, H], [E, H, I]
+        stacked = [
+            (n, t) for n, t in hf.state_dict().items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        ]
+        assert stacked and all(t.dim() == 3 for _, t in stacked)
+        llm.load_weights(stacked)
+        assert compare_checksums(expected, llm.weight_checksums())["match"] is False  # the rest is still old
+        experts_only = {n: c for n, c in expected.items() if ".experts." in n}
+        assert compare_checksums(experts_only, {n: c for n, c in llm.weight_checksums().items() if n in experts_only})[
+            "match"
+        ]
+    finally:
+        llm.shutdown()
+
+
+def test_block_wise_experts_need_whole_blocks(tmp_path: Path, make_llm) -> None:
+    model = make_model_dir(tmp_path / "moe", preset="tiny-moe-fp8", moe_intermediate_size=96)
+    with pytest.raises(ValueError, match="moe_intermediate_size is 96, hidden_size 128 .*fbgemm_fp8"):
+        make_llm(model, in_process=True, quantization="fp8")

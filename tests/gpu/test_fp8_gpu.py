@@ -1,6 +1,8 @@
 """FP8 on the GPU: the tensor-core GEMMs (torch.nn.functional.scaled_mm, RowWise and BlockWise1x128 x
 BlockWise128x128) against the CPU reference path's arithmetic (rlserve.model.fp8.reference_matmul, the same
-dequantized operands multiplied in fp32) at Qwen3-8B's projection shapes, and a weight update of an FP8 engine that
+dequantized operands multiplied in fp32) at Qwen3-8B's projection shapes and one whose in/128 is not a multiple of 4
+(padded weight scales), with the activations quantized by PyTorch and by the fused Triton kernel, whose bits must be
+PyTorch's; a weight update of an FP8 engine that
 runs on CUDA graphs: the same storage (captured pointers), and outputs equal to a fresh engine of the new weights;
 and the ipc backend's updates, bf16 and trainer-quantized.
 
@@ -19,7 +21,17 @@ from rlserve import LLM, SamplingParams
 from rlserve.config import WeightTransferConfig
 from rlserve.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 from rlserve.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from rlserve.model.fp8 import BLOCK, Fp8Scheme, fp8_linear, quantize_activation, quantize_checkpoint, reference_matmul
+from rlserve.model.fp8 import (
+    BLOCK,
+    Fp8Scheme,
+    fp8_linear,
+    quantize_activation,
+    quantize_checkpoint,
+    reference_matmul,
+    scaled_mm_activation,
+    weight_scale_storage,
+)
+from rlserve.model.layers import fp8_activation_kernel
 from rlserve.model.loader import iterate_checkpoint
 from rlserve.rl.fp8_weights import Fp8QuantizedSource
 from rlserve.toy import make_model_dir
@@ -34,17 +46,34 @@ TOKENS = (1, 7, 16, 128, 1024)
 SCHEMES = [Fp8Scheme("fp8"), Fp8Scheme("fbgemm_fp8")]
 
 
+@pytest.mark.parametrize("group", [None, BLOCK], ids=["per-token", "per-128-group"])
+def test_fused_activation_quantization_is_the_torch_paths_bits(group: int | None) -> None:
+    kernel = fp8_activation_kernel(torch.empty(0, device="cuda"))
+    assert kernel is not None  # Triton is there
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tokens in TOKENS:
+        x = torch.randn(tokens, 12288, device="cuda", generator=gen).bfloat16() * 10.0 ** (tokens % 5 - 2)
+        (q, scales), (ref_q, ref_scales) = kernel(x, group), scaled_mm_activation(x, group)
+        assert q.stride() == ref_q.stride() and scales.shape == ref_scales.shape
+        assert scales.stride() == ref_scales.stride() and torch.equal(scales, ref_scales)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (group, tokens)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-quant", "fused-quant"])
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.method)
 @pytest.mark.parametrize("shape", list(SHAPES.values()), ids=list(SHAPES))
-def test_cuda_gemm_equals_the_reference_arithmetic(scheme: Fp8Scheme, shape: tuple[int, int]) -> None:
+def test_cuda_gemm_equals_the_reference_arithmetic(scheme: Fp8Scheme, shape: tuple[int, int], fused: bool) -> None:
     out_features, in_features = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(shape, device="cuda", generator=gen) * 0.02
     q, scale = scheme.quantize(weight)
+    if scheme.block_wise:  # as the loader stores it (padded for cuBLASLt); the contiguous scales are padded per call
+        scale = weight_scale_storage(tuple(scale.shape), "cuda").copy_(scale) if fused else scale
     bias = torch.randn(out_features, device="cuda", generator=gen).bfloat16()
+    kernel = fp8_activation_kernel(bias) if fused else None
     for tokens in TOKENS:
         x = torch.randn(tokens, in_features, device="cuda", generator=gen).bfloat16()
-        got = fp8_linear(x, q, scale, bias, scheme)
+        got = fp8_linear(x, q, scale, bias, scheme, kernel)
         assert got.dtype == torch.bfloat16 and got.shape == (tokens, out_features)
         xq, xs = quantize_activation(x, BLOCK if scheme.block_wise else None)
         want = reference_matmul(xq, xs, q, scale, scheme) + bias.float()
@@ -56,12 +85,25 @@ def test_cuda_gemm_equals_the_reference_arithmetic(scheme: Fp8Scheme, shape: tup
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("fp8-gpu")
-    return (
-        make_model_dir(root / "old", preset="tiny-fp8", seed=0, dtype=torch.bfloat16),
-        make_model_dir(root / "new", preset="tiny-fp8", seed=1, dtype=torch.bfloat16),
-    )
+def model_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """(old, new) bf16 checkpoints of a preset, made once per module."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def make(preset: str) -> tuple[Path, Path]:
+        if preset not in made:
+            root = tmp_path_factory.mktemp(f"fp8-gpu-{preset}")
+            made[preset] = (
+                make_model_dir(root / "old", preset=preset, seed=0, dtype=torch.bfloat16),
+                make_model_dir(root / "new", preset=preset, seed=1, dtype=torch.bfloat16),
+            )
+        return made[preset]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def dirs(model_dirs) -> tuple[Path, Path]:
+    return model_dirs("tiny-fp8")
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -71,10 +113,11 @@ def _tokens(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+@pytest.mark.parametrize("preset", ["tiny-fp8", "tiny-moe-fp8"])  # dense, and FP8 experts in the fused MoE kernel
 def test_update_keeps_the_captured_pointers_and_outputs_equal_a_fresh_engine(
-    dirs, method: str, monkeypatch: pytest.MonkeyPatch
+    model_dirs, preset: str, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    old, new = dirs
+    old, new = model_dirs(preset)
     monkeypatch.setenv("RLSERVE_ENABLE_MULTIPROCESSING", "0")  # the test reads the runner's parameters
     common = dict(device="cuda", dtype="bfloat16", quantization=method, num_kv_blocks=256, max_model_len=256)
     fresh = LLM(str(new), **common)

@@ -1,5 +1,6 @@
 """Qwen3-MoE on a GPU: the fused MoE kernel compiled at Qwen3-30B-A3B's expert shapes against its PyTorch reference,
-its batch invariance, CUDA-graph capture, and the engine (CUDA graphs on) against the CPU reference path and HF."""
+in bf16 and with FP8 experts, its batch invariance, CUDA-graph capture, and the engine (CUDA graphs on) against the
+CPU reference path and HF."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from rlserve import LLM, SamplingParams
+from rlserve.model.fp8 import ExpertScales, Fp8Scheme
 from rlserve.model.moe import experts_reference, route
 from rlserve.toy import make_model_dir
 
@@ -34,6 +36,28 @@ def test_fused_moe_matches_the_reference(num_tokens):
     with torch.inference_mode():
         got = fused_moe(x, w13, w2, weights, ids)
         want = experts_reference(x, w13, w2, weights, ids)
+    assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 1000])
+def test_fused_moe_in_fp8_matches_the_reference(num_tokens, method):
+    """FP8 experts (each expert quantized, its scales stacked) through the fused kernel against experts_reference's
+    FP8 projections (the scaled GEMM on the same quantized operands): within bf16 rounding of the outputs."""
+    from rlserve.model.kernels.fused_moe import fused_moe
+
+    x, w13, w2, weights, ids = _problem(num_tokens)
+    scheme = Fp8Scheme(method)
+    quantized = []
+    for w in (w13, w2):
+        q, scales = zip(*(scheme.quantize(expert) for expert in w), strict=True)
+        stacked = torch.stack(scales)
+        quantized.append((torch.stack(q), stacked if scheme.block_wise else stacked.squeeze(-1)))
+    (q13, s13), (q2, s2) = quantized
+    fp8 = ExpertScales(scheme, s13, s2)
+    with torch.inference_mode():
+        got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
+        want = experts_reference(x, q13, q2, weights, ids, fp8=fp8)
     assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6), (got - want).abs().max()
 
 

@@ -20,6 +20,7 @@ from rlserve.model.fp8 import (
     Fp8Scheme,
     dequantize_activation,
     fp8_linear,
+    gemm_weight_scales,
     quantize_activation,
     quantize_checkpoint,
     scheme_from_hf_config,
@@ -129,12 +130,29 @@ def test_fused_projection_quantizes_each_checkpoint_tensor_in_its_own_blocks() -
         odd = MergedColumnParallelLinear(256, {"gate_proj": 96, "up_proj": 96}, False, TensorParallelGroup())
     with pytest.raises(ValueError, match="multiples of 128; gate_proj has 96x256"):
         odd.check_fp8_blocks()
-    # CUDA's block-scaled GEMM takes the input features in groups of 4 blocks: 256 is whole blocks, not 512s.
-    layer.check_fp8_blocks(on_cuda=False)
-    with pytest.raises(ValueError, match="on CUDA, block-wise FP8 needs .* a multiple of 512.* has 256"):
-        layer.check_fp8_blocks(on_cuda=True)
+    layer.check_fp8_blocks()  # 256 inputs: whole blocks, though not the groups of 4 cuBLASLt reads (padded storage)
     odd.quantize_fp8(PER_CHANNEL)  # per-channel has no block constraint
     assert odd.slice_of("weight_scale", "up_proj", 0).offset == 96
+
+
+def test_block_wise_scales_are_stored_padded_for_the_gpu_gemm(tmp_path: Path) -> None:
+    """cuBLASLt's 128x128 block scaling reads weight_scale_inv transposed as [L4, out/128], L4 = in/128 rounded up to
+    a multiple of 4: the loader's storage has that padding behind the [out/128, in/128] parameter, so the GEMM's
+    operand is a view; scales without it (a weight back from sleep) are copied into it."""
+    model_dir = make_model_dir(tmp_path / "m", preset="tiny-fp8", seed=0)
+    model, _ = load_model(str(model_dir), "float32", torch.device("cpu"), quantization="fp8")
+    down = model.model.layers[0].mlp.down_proj  # 256 inputs: 2 blocks, padded to 4
+    scale = down.weight_scale_inv
+    assert scale.shape == (1, 2) and scale.stride() == (4, 1)
+    operand = gemm_weight_scales(scale)
+    assert operand.shape == (4, 1) and operand.stride() == (1, 4) and operand.data_ptr() == scale.data_ptr()
+    assert torch.equal(operand[:2].t(), scale) and not operand[2:].any()
+    contiguous = torch.empty(scale.shape).copy_(scale)
+    copied = gemm_weight_scales(contiguous)
+    assert copied.stride() == (1, 4) and copied.data_ptr() != contiguous.data_ptr()
+    assert torch.equal(copied, operand)
+    wide = torch.rand(3, 8)  # in/128 already a multiple of 4: the parameter as it is
+    assert gemm_weight_scales(wide).data_ptr() == wide.data_ptr() and torch.equal(gemm_weight_scales(wide), wide.t())
 
 
 def test_per_channel_scales_are_whole_rows_under_a_column_split() -> None:
@@ -187,6 +205,22 @@ def test_checkpoint_configs_are_read_or_refused_by_name() -> None:
         with pytest.raises(ValueError, match=message):
             scheme_from_hf_config(requested, config)
     assert scheme_from_hf_config(None, FbgemmFp8Config(modules_to_not_convert=["lm_head"]).to_dict()) == PER_CHANNEL
+
+
+@pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+def test_an_fp8_moe_checkpoint_loads_as_the_checkpoint_quantized_at_load(tmp_path: Path, method: str) -> None:
+    """Qwen3-MoE: each expert's fp8 weights and scales (`experts.E.gate_proj.weight_scale_inv`, ...) land in the
+    stacked experts exactly where quantizing the bf16 checkpoint at load puts them."""
+    model_dir = make_model_dir(tmp_path / "moe", preset="tiny-moe-fp8", seed=3)
+    from_file, _ = load_model(str(make_fp8_model_dir(tmp_path / "fp8", model_dir, method)), "float32", "cpu")
+    at_load, _ = load_model(str(model_dir), "float32", torch.device("cpu"), quantization=method)
+    got, want = dict(from_file.checkpoint_weights()), dict(at_load.checkpoint_weights())
+    scale = f"model.layers.1.mlp.experts.3.up_proj.{Fp8Scheme(method).scale_name}"
+    assert scale in got and got.keys() == want.keys()
+    assert all(
+        torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in want if got[n].dtype == FP8_DTYPE
+    )
+    assert all(torch.equal(got[n], want[n]) for n in want if got[n].dtype != FP8_DTYPE)
 
 
 def test_an_fp8_checkpoint_without_a_scale_is_refused(tmp_path: Path) -> None:

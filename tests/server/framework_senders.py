@@ -7,6 +7,14 @@
 - prime-rl 559b4477 `src/prime_rl/transports/weights/nccl.py`: `broadcast_integer` of the state-dict count, then per
   state dict (`filter_state_dict_by_layers`: the non-layer weights first, then each `model.layers.{i}.`) the pickled
   `{dtype: [(name, shape, numel)]}` size, bytes, and one `torch.cat` of the flattened tensors per dtype;
+- prime-rl 559b4477 with `quantize_in_weight_transfer` (`preprocess_layer_quantized`): the non-layer state dict as
+  it is, each layer through `convert_layer_to_vllm_kernel(..., quantize_fp8=True)`, whose rules
+  (`trainer/models/glm_moe_dsa/converting_glm_moe_dsa.py`, the one model that implements it there) are: norms as
+  they are; fused projections stacked by rows (`gate_up_proj` = cat(gate, up)); every 2-d projection weight through
+  `quantize_to_vllm_kernel_format` (`trainer/models/fp8.py`; on Hopper the plain block grid): per 128x128 block
+  scale = max(amax / 448, 1e-12) in fp32, q = clamp(w / scale, +-448) as float8_e4m3fn, the scales under
+  `<name>_scale_inv` ([rows/128, cols/128], fp32). A standard attention's q/k/v are stacked as `qkv_proj` (vLLM's
+  kernel name), as that converter stacks GLM's `fused_qkv_a_proj`;
 - PipelineRL 58d39345 `pipelinerl/finetune_loop.py` `send_weight_update`: each parameter broadcast in
   `parameters_info` order.
 """
@@ -49,6 +57,37 @@ def prime_rl_broadcast_weights(trainer: StatelessTrainer, state_dict: dict[str, 
     for i in range(num_layers):
         layer = {k: v for k, v in state_dict.items() if k.startswith(f"{LAYER_PREFIX}{i}.")}
         prime_rl_broadcast_state_dict(trainer, layer)
+
+
+def prime_rl_kernel_format(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF-named state dict as prime-rl's quantizing sender sends it: layers in vLLM's FP8 kernel format."""
+    out = {}
+    for name, tensor in state_dict.items():
+        parts = name.split(".")
+        if not name.startswith(LAYER_PREFIX) or parts[-1] != "weight" or not parts[-2].endswith("_proj"):
+            out[name] = tensor  # the non-layer weights, norms
+            continue
+        prefix, sub = ".".join(parts[:-2]), parts[-2]
+        if sub in ("k_proj", "v_proj", "up_proj"):
+            continue  # stacked with q_proj / gate_proj
+        fused = {
+            "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+        }
+        kernel_name, stacked = fused.get(sub, (sub, (sub,)))
+        weight = torch.cat([state_dict[f"{prefix}.{part}.weight"] for part in stacked])
+        out[f"{prefix}.{kernel_name}.weight"], out[f"{prefix}.{kernel_name}.weight_scale_inv"] = _fp8_blockwise(weight)
+    return out
+
+
+def _fp8_blockwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % 128, 0, -rows % 128))
+    blocks = padded.view(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128).permute(0, 2, 1, 3)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scales = (blocks.abs().amax(dim=(2, 3)) / fp8_max).clamp(min=1e-12)
+    q = (blocks / scales[:, :, None, None]).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    return q.permute(0, 2, 1, 3).reshape(padded.shape)[:rows, :cols].contiguous(), scales.contiguous()
 
 
 def prime_rl_broadcast_state_dict(trainer: StatelessTrainer, state_dict: dict[str, torch.Tensor]) -> None:

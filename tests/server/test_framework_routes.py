@@ -29,10 +29,12 @@ from framework_senders import (
     pipelinerl_parameters_info,
     prime_rl_broadcast_state_dict,
     prime_rl_broadcast_weights,
+    prime_rl_kernel_format,
 )
 from safetensors.torch import load_file
 from server_helpers import API_KEY, HTTP_TIMEOUT_S, Server, free_port, launch
 
+from rlserve.model.fp8 import Fp8Scheme, quantize_checkpoint
 from rlserve.rl.client import RLServeClient
 from rlserve.toy import make_lora_dir, make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
@@ -142,7 +144,7 @@ def test_prime_rl_init_broadcaster_refuses_fp8_transfer_by_name(prime_server: Se
         response = admin.post("/init_broadcaster", json={**body, "quantize_in_weight_transfer": True})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "quantize_in_weight_transfer"
-        assert "FP8" in response.json()["error"]["message"]
+        assert "--quantization fp8" in response.json()["error"]["message"]  # this engine serves bf16
         keyless = httpx.post(prime_server.url + "/init_broadcaster", json=body, timeout=HTTP_TIMEOUT_S)
         assert keyless.status_code == 401
 
@@ -194,6 +196,65 @@ def test_prime_rl_refused_state_dict_keeps_the_stream_in_step(
 
 def prime_rl_broadcast_state_dict_count(trainer: StatelessTrainer, count: int) -> None:
     trainer.broadcast(torch.tensor([count], dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def fp8_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fw-fp8")
+    return make_model_dir(root / "old", preset="tiny-fp8", seed=0), make_model_dir(
+        root / "new", preset="tiny-fp8", seed=1
+    )
+
+
+@pytest.mark.slow  # its own FP8 server: a start-up (~5 s idle) and three streams
+def test_prime_rl_quantized_transfer_loads_the_trainers_fp8_layers(
+    fp8_model_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """quantize_in_weight_transfer into an engine serving block-wise FP8: the trainer's kernel-format layers (fused
+    fp8 projections with their block scales, framework_senders.prime_rl_kernel_format) land as they are, equal to the
+    engine's own quantization of the same weights; a fused tensor of the wrong size in the first state dict is a 400
+    naming it with nothing changed, and the stream stays in step for the next update."""
+    old, new = fp8_model_dirs
+    new_weights = load_file(new / "model.safetensors")
+    server = _start(old, tmp_path / "fp8.log", "--enable-rl-api", "--quantization", "fp8", api_key=API_KEY)
+    trainer = None
+    try:
+        _wait_healthy(server)
+        port = free_port()
+        body = {"host": "127.0.0.1", "port": port, "rank_offset": 0, "inference_world_size": 1, "timeout": TIMEOUT_S}
+        with server.client() as admin, ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(admin.post, "/init_broadcaster", json={**body, "quantize_in_weight_transfer": True})
+            trainer = StatelessTrainer(port, world_size=2, timeout_s=TIMEOUT_S)
+            assert joined.result(timeout=TIMEOUT_S).json() == {"status": "ok"}
+        kernel = prime_rl_kernel_format(new_weights)
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        assert kernel[qkv].dtype == torch.float8_e4m3fn and "model.layers.0.mlp.gate_up_proj.weight_scale_inv" in kernel
+        with RLServeClient(server.url, api_key=API_KEY, timeout=HTTP_TIMEOUT_S) as rl:
+            before = rl.weight_checksums()
+
+            def send_refused() -> None:
+                prime_rl_broadcast_state_dict_count(trainer, 2)
+                prime_rl_broadcast_state_dict(
+                    trainer, {qkv: kernel[qkv][:-128], qkv + "_scale_inv": kernel[qkv + "_scale_inv"]}
+                )
+                prime_rl_broadcast_state_dict(trainer, {"model.norm.weight": new_weights["model.norm.weight"]})
+
+            refused = _prime_rl_update(server, tmp_path / "step_1", send_refused)
+            assert refused.status_code == 400 and qkv in refused.json()["error"]["message"], refused.text
+            assert rl.weight_checksums() == before
+            response = _prime_rl_update(
+                server, tmp_path / "step_2", lambda: prime_rl_broadcast_weights(trainer, kernel)
+            )
+            assert response.status_code == 200, response.text
+            expected = weight_checksums(quantize_checkpoint(new_weights.items(), Fp8Scheme("fp8")))
+            assert compare_checksums(expected, rl.weight_checksums())["match"]
+        with server.client() as admin:
+            completion = admin.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+        assert completion.status_code == 200, completion.text
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        _stop(server)
 
 
 def test_prime_rl_liveness_and_lora_reload(

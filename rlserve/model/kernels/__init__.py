@@ -7,4 +7,5 @@ it imports triton, which CPU-only runs never load.
 - paged_attention: KV-cache store, varlen causal attention and split-KV decode over the paged cache
 - batch_invariant_matmul: the matmul of batch-invariant mode (its tile chosen by the weight, never by the batch)
 - fused_moe: a MoE layer's experts: tokens sorted by expert, grouped gate/up + SiLU and down GEMMs, top-k combine
+- fp8_quant: dynamic FP8 activation quantization (per token or 128-group) in the layout torch's scaled_mm takes
 """

@@ -29,4 +29,5 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and INTERPRETED
+    # The interpreter multiplies fp8 operands as their raw uint8 bits too.
+    return dtype in (torch.bfloat16, torch.float8_e4m3fn) and INTERPRETED

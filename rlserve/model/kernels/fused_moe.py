@@ -14,7 +14,12 @@ tokens there are or which expert block a row shares. In batch-invariant mode one
 so a token's result does not depend on the batch (the router's matmul is the batch-invariant one of
 rlserve.model.batch_invariant); otherwise the tile shape follows the number of tokens per expert.
 
-Checked against rlserve.model.moe.experts_reference under TRITON_INTERPRET=1 (tests/model/kernels/test_fused_moe.py).
+FP8 experts (rlserve.model.fp8.ExpertScales): w13 and w2 in float8_e4m3fn, each GEMM's input quantized per token (and
+128-group, block-wise) by rlserve.model.kernels.fp8_quant before it; the products run on fp8 operands (the tensor
+cores' FP8 MMA on Hopper) with the scales applied in fp32, per K step of 128 for 128x128 blocks, once for per-row.
+
+Checked against rlserve.model.moe.experts_reference (with FP8 projections: rlserve.model.fp8.fp8_linear's reference
+arithmetic) under TRITON_INTERPRET=1 (tests/model/kernels/test_fused_moe.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, ExpertScales
 from rlserve.model.kernels.dot import dot, dot_precision, dot_upcast
+from rlserve.model.kernels.fp8_quant import quantize_activation
+
+# The expert GEMM's operands (its SCALES): in the model dtype, or fp8 with per-row or 128x128-block scales.
+NO_SCALES = tl.constexpr(0)
+PER_ROW = tl.constexpr(1)
+PER_BLOCK = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,8 @@ def _expert_gemm_kernel(
     sorted_ptr,
     block_expert_ptr,
     num_padded_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
     num_pairs,
     N,
     K,
@@ -118,8 +132,14 @@ def _expert_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_asm,
+    stride_ask,
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
     PAIRS_PER_A_ROW: tl.constexpr,
     GATED: tl.constexpr,
+    SCALES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -129,7 +149,13 @@ def _expert_gemm_kernel(
     """For the (token, k) pairs of one block of sorted rows, all routed to the block's expert e:
     GATED:     out[pair, n] = silu(a[token] . w[e, n]) * (a[token] . w[e, N + n])   (gate/up, a = x, N = I)
     otherwise: out[pair, n] = a[pair] . w[e, n]                                      (down, a = the above, N = H)
-    a's row of a pair is pair // PAIRS_PER_A_ROW (top_k for x, 1 for the per-pair intermediate)."""
+    a's row of a pair is pair // PAIRS_PER_A_ROW (top_k for x, 1 for the per-pair intermediate).
+
+    SCALES: the operands' kind. NO_SCALES: both in the model dtype. PER_ROW: fp8 a with a scale per row
+    (a_scale[row * stride_asm]) and fp8 w with one per output row (w_scale[e, n]), applied to the whole sum.
+    PER_BLOCK: fp8 a with a scale per row and 128-group of K, fp8 w with one per 128x128 block
+    (w_scale[e, n // 128, k // 128]); BLOCK_K is 128 and BLOCK_N divides it, so each K step's partial product takes
+    one scale per row and column before it joins the fp32 sum."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -137,22 +163,44 @@ def _expert_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = pairs < num_pairs
+    a_rows = pairs // PAIRS_PER_A_ROW
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pairs // PAIRS_PER_A_ROW)[:, None] * stride_am + offs_k[None, :]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # the weight's [K, N] view
+    if SCALES != NO_SCALES:
+        a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
+        w_rows = offs_n // BLOCK_K if SCALES == PER_BLOCK else offs_n
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + w_rows * stride_wsn
+        up_scale_ptrs = w_scale_ptrs + (N // BLOCK_K if SCALES == PER_BLOCK else N) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
-        acc = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, DOT_PRECISION, DOT_UPCAST)
-        if GATED:
-            up = dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), up, DOT_PRECISION, DOT_UPCAST)
+        if SCALES == PER_BLOCK:
+            group = k0 // BLOCK_K
+            a_scale = tl.load(a_scale_ptrs + group * stride_ask, mask=row_ok, other=0.0)[:, None]
+            zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), zero, DOT_PRECISION, DOT_UPCAST)
+            w_scale = tl.load(w_scale_ptrs + group * stride_wsk, mask=col_ok, other=0.0)[None, :]
+            acc += part * a_scale * w_scale
+            if GATED:
+                part = dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), zero, DOT_PRECISION, DOT_UPCAST)
+                up += part * a_scale * tl.load(up_scale_ptrs + group * stride_wsk, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc = dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, DOT_PRECISION, DOT_UPCAST)
+            if GATED:
+                up = dot(a, tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0), up, DOT_PRECISION, DOT_UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALES == PER_ROW:
+        a_scale = tl.load(a_scale_ptrs, mask=row_ok, other=0.0)[:, None]
+        acc *= a_scale * tl.load(w_scale_ptrs, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            up *= a_scale * tl.load(up_scale_ptrs, mask=col_ok, other=0.0)[None, :]
     out_ty = out_ptr.dtype.element_ty
     if GATED:
         # Rounded where the PyTorch reference rounds: each projection's output, then SiLU, then the product.
@@ -184,8 +232,11 @@ def fused_moe(
     weights: torch.Tensor,
     ids: torch.Tensor,
     batch_invariant: bool = False,
+    fp8: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, K] (fp32) and expert ids [T, K] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, K] (fp32) and expert ids [T, K] -> [T, H].
+    With `fp8`, w13 and w2 are float8_e4m3fn with those scales, and each GEMM's input is quantized dynamically (per
+    token, or per token and 128-group) by rlserve.model.kernels.fp8_quant."""
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     if x.dim() != 2 or x.shape[1] != hidden or w2.shape != (num_experts, hidden, inter):
@@ -195,28 +246,44 @@ def fused_moe(
         )
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe: w13 and w2 need unit stride along their last dimension")
-    if x.dtype != w13.dtype or x.dtype != w2.dtype:
-        raise ValueError(f"fused_moe: x is {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
+    weight_dtype = x.dtype if fp8 is None else FP8_DTYPE
+    if w13.dtype != weight_dtype or w2.dtype != weight_dtype:
+        given = "with" if fp8 is not None else "without"
+        raise ValueError(f"fused_moe: x is {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}, {given} fp8 scales")
     if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [T, K]")
+    if fp8 is not None:
+        fp8.check(w13, w2)
     num_tokens, top_k = ids.shape
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     num_pairs = num_tokens * top_k
-    cfg = tile_config(num_pairs, num_experts, batch_invariant, x.element_size())
+    cfg = tile_config(num_pairs, num_experts, batch_invariant, w13.element_size())
+    if fp8 is not None and fp8.block_wise:  # one K step per 128-group, a column block within one 128-row block
+        cfg = replace(cfg, block_k=BLOCK, block_n=min(cfg.block_n, BLOCK))
     sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts, cfg.block_m)
     num_blocks = block_experts.shape[0]
-    precision, upcast = dot_precision(x.dtype), dot_upcast(x.dtype)
+    precision, upcast = dot_precision(w13.dtype), dot_upcast(w13.dtype)
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    for a, w, out_rows, pairs_per_a_row, gated in ((x, w13, h, top_k, True), (h, w2, y, 1, False)):
+    w13_scale, w2_scale = (fp8.w13, fp8.w2) if fp8 is not None else (None, None)
+    for a, w, w_scale, out_rows, pairs_per_a_row, gated in (
+        (x, w13, w13_scale, h, top_k, True),
+        (h, w2, w2_scale, y, 1, False),
+    ):
         n, k = out_rows.shape[1], a.shape[1]
+        if fp8 is not None:
+            a, a_scale = quantize_activation(a, BLOCK if fp8.block_wise else None)
+        else:
+            a_scale = w_scale = a  # unread
+        scales = NO_SCALES if fp8 is None else PER_BLOCK if fp8.block_wise else PER_ROW
+        scale_strides = (0,) * 5 if fp8 is None else (*a_scale.stride(), *_three_strides(w_scale))
         _expert_gemm_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
-            a, w, out_rows, sorted_pairs, block_experts, num_padded, num_pairs, n, k,
-            a.stride(0), w.stride(0), w.stride(1), out_rows.stride(0),
-            PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+            a, w, out_rows, sorted_pairs, block_experts, num_padded, a_scale, w_scale, num_pairs, n, k,
+            a.stride(0), w.stride(0), w.stride(1), out_rows.stride(0), *scale_strides,
+            PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, SCALES=scales, DOT_PRECISION=precision, DOT_UPCAST=upcast,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -226,3 +293,8 @@ def fused_moe(
         enable_fp_fusion=False,  # the reference rounds each product before its add
     )  # fmt: skip
     return out
+
+
+def _three_strides(scale: torch.Tensor) -> tuple[int, int, int]:
+    """(expert, row, column) strides of an expert weight's scales: [E, rows, cols] block-wise, [E, rows] per row."""
+    return (*scale.stride(), 0) if scale.dim() == 2 else scale.stride()

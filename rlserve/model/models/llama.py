@@ -14,7 +14,7 @@ from torch import nn
 from rlserve.lora.peft import PEFTAdapter
 from rlserve.model import batch_invariant
 from rlserve.model.forward_context import ForwardContext
-from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, Fp8Scheme
 from rlserve.model.layers import (
     Linear,
     MergedColumnParallelLinear,
@@ -216,33 +216,65 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    fp8_scheme: Fp8Scheme | None = None  # set by quantize_fp8
+
     def make_mlp(self, layer_idx: int) -> nn.Module:
         """The MLP of layer `layer_idx` (a MoE model's sparse layers have another)."""
         return MLP(self.spec, self.tp)
 
-    def quantize_fp8(self, scheme: Fp8Scheme, on_cuda: bool = False) -> None:
-        """Make the decoder layers' dense projections FP8 (rlserve.model.fp8); the LM head and embeddings stay in the
-        model dtype. Called on the meta device, before the loader gives parameters storage; `on_cuda`: for a CUDA
-        device, whose block-scaled GEMM constrains the shapes further."""
-        if self.spec.moe is not None:
-            raise ValueError(
-                f"quantization {scheme.method}: {self.spec.architecture} is a MoE model, and FP8 experts (the fused "
-                "MoE kernel's scales) are not implemented yet"
-            )
-        for module in self._lora_targets():
-            if scheme.block_wise:
-                module.check_fp8_blocks(on_cuda)
+    def quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        """Make the decoder layers' dense projections FP8 (rlserve.model.fp8), and a MoE model's experts; the LM head,
+        embeddings and routers stay in the model dtype. Called on the meta device, before the loader gives
+        parameters storage."""
+        for module in self._fp8_targets():
+            if isinstance(module, Linear) and scheme.block_wise:
+                module.check_fp8_blocks()
             module.quantize_fp8(scheme)
+        self.fp8_scheme = scheme
 
-    def _fp8_module(self, name: str) -> Linear | None:
-        """The FP8 projection that checkpoint tensor `name` (its weight or its scales) belongs to, if any."""
+    def _fp8_targets(self) -> Iterator[nn.Module]:
+        """The modules FP8 quantizes: a dense decoder's are the projections adapters target."""
+        return self._lora_targets()
+
+    def unfuse_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`weights` with each tensor of a fused parameter under vLLM's kernel name (`...qkv_proj.weight`,
+        `...gate_up_proj.weight_scale_inv`: the checkpoint tensors stacked by rows, as a trainer that quantizes for
+        vLLM's kernels sends them) split into its checkpoint tensors (`q_proj`, `k_proj`, ...); the rest as they
+        are. A fused tensor whose rows are not the sum of its parts' is refused by name."""
+        fused_modules = set(self.fused_names.values())
+        out = []
+        for name, tensor in weights:
+            parts = name.split(".")
+            if len(parts) < 2 or parts[-2] not in fused_modules or ".layers." not in name:
+                out.append((name, tensor))
+                continue
+            module = self.get_submodule(".".join(parts[:-1]))
+            rows_per = BLOCK if parts[-1] == "weight_scale_inv" else 1  # block scales: a row per 128 weight rows
+            sizes = [module.full_sizes[sub] // rows_per for sub in module.shard_ids]
+            if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"weight {name!r}: shape {list(tensor.shape)}, but its {', '.join(module.shard_ids)} have "
+                    f"{sum(sizes)} rows"
+                )
+            prefix = ".".join(parts[:-2])
+            pieces = zip(module.shard_ids, tensor.split(sizes), strict=True)
+            out += [(f"{prefix}.{sub}.{parts[-1]}", piece) for sub, piece in pieces]
+        return out
+
+    def _fp8_module(self, name: str) -> nn.Module | None:
+        """The FP8 module (a projection, a MoE layer's experts) that checkpoint tensor `name` (a weight or its scales)
+        belongs to, if any: it has the `fp8` scheme, whose `quantize` makes a weight's fp8 tensor and scales."""
         target = self._resolve(name)
         if target is None or target[0].dtype != FP8_DTYPE and not name.endswith(("weight_scale_inv", "weight_scale")):
             return None
+        module = self._module_of(name)
+        return module if getattr(module, "fp8", None) is not None else None
+
+    def _module_of(self, name: str) -> nn.Module:
+        """The module holding checkpoint tensor `name` (a fused projection for its parts)."""
         parts = name.split(".")
         fused = self.fused_names.get(parts[-2])
-        module = self.get_submodule(".".join(parts[:-2] + [fused or parts[-2]]))
-        return module if isinstance(module, Linear) and module.fp8 is not None else None
+        return self.get_submodule(".".join(parts[:-2] + [fused or parts[-2]]))
 
     def _scale_name(self, weight_name: str, module: Linear) -> str:
         return weight_name.removesuffix("weight") + module.fp8.scale_name
@@ -448,7 +480,7 @@ class DecoderForCausalLM(nn.Module):
             if module is None or tensor.dtype == FP8_DTYPE:
                 yield name, tensor
                 continue
-            q, scale = module.fp8.quantize(tensor.to(module.weight.device))
+            q, scale = module.fp8.quantize(tensor.to(self._resolve(name)[0].device))
             yield name, q
             yield self._scale_name(name, module), scale
 

@@ -48,15 +48,32 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             if isinstance(module, SparseMoeBlock):
                 module.batch_invariant = enabled
 
+    def _fp8_targets(self) -> Iterator[nn.Module]:
+        """Every layer's attention projections, and its experts or (a dense layer's) MLP projections."""
+        for layer in self.model.layers:
+            yield layer.self_attn.qkv_proj
+            yield layer.self_attn.o_proj
+            if isinstance(layer.mlp, SparseMoeBlock):
+                yield layer.mlp.experts
+            else:
+                yield from (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+    def _module_of(self, name: str) -> nn.Module:
+        expert_tensor = _expert_tensor(name)
+        if expert_tensor is None:
+            return super()._module_of(name)
+        return self.get_submodule(expert_tensor[0])
+
     def _find_target(self, name: str) -> tuple[nn.Parameter, ShardSlice] | None:
-        """`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight` are rows of the layer's stacked experts."""
-        parts = name.split(".")
-        if len(parts) == 8 and parts[4] == "experts" and parts[-1] == "weight" and parts[5].isdigit():
-            experts = self._experts_of(".".join(parts[:5]))
-            expert = int(parts[5])
+        """`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight` (and an FP8 model's `.weight_scale_inv` /
+        `.weight_scale`) are rows of the layer's stacked experts (and their scales)."""
+        expert_tensor = _expert_tensor(name)
+        if expert_tensor is not None:
+            experts_name, expert, sub, param_name = expert_tensor
+            experts = self._experts_of(experts_name)
             if experts is not None and expert < experts.experts.total:
                 try:
-                    return experts.shard(expert, parts[6])
+                    return experts.shard(expert, sub, param_name)
                 except KeyError:
                     pass
             raise ValueError(f"weight name {name!r} does not exist in this {self.spec.architecture} model")
@@ -126,7 +143,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         stacked = self._stacked_experts(name)
         if stacked is None:
             return super().written_names(name, dtype)
-        return tuple(sub for sub, _ in self._split(name, stacked[2]))
+        per_expert = super().written_names  # each expert's tensor, and its scales when quantized here
+        return tuple(n for sub, _ in self._split(name, stacked[2]) for n in per_expert(sub, dtype))
 
     def _experts_of(self, module_name: str) -> FusedExperts | None:
         try:
@@ -143,9 +161,20 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             experts = self._experts_of(prefix)
             if experts is None:
                 yield name, tensor
-            elif attr == "gate_up_proj":  # once per layer: every (local) expert's three tensors
+            elif attr == "gate_up_proj":  # once per layer: every (local) expert's three tensors (and their scales)
                 shard = experts.experts
+                param_names = ("weight",) if experts.fp8 is None else ("weight", experts.fp8.scale_name)
                 for expert in range(shard.first, shard.first + shard.num_local):
                     for sub in ("gate_proj", "up_proj", "down_proj"):
-                        param, sl = experts.shard(expert, sub)
-                        yield f"{prefix}.{expert}.{sub}.weight", sl.of_param(param.data)
+                        for param_name in param_names:
+                            param, sl = experts.shard(expert, sub, param_name)
+                            yield f"{prefix}.{expert}.{sub}.{param_name}", sl.of_param(param.data)
+
+
+def _expert_tensor(name: str) -> tuple[str, int, str, str] | None:
+    """(experts module name, expert, checkpoint sub-name, parameter name) of an expert's checkpoint tensor
+    `model.layers.L.mlp.experts.E.SUB.PARAM`; None for any other name."""
+    parts = name.split(".")
+    if len(parts) == 8 and parts[4] == "experts" and parts[5].isdigit():
+        return ".".join(parts[:5]), int(parts[5]), parts[6], parts[7]
+    return None

@@ -14,6 +14,7 @@ import torch
 
 interpret_helpers.require_triton()
 
+from rlserve.model.fp8 import ExpertScales, Fp8Scheme  # noqa: E402
 from rlserve.model.kernels.fused_moe import (  # noqa: E402
     INVARIANT_TILES,
     SHARED_MEMORY_BUDGET,
@@ -90,6 +91,59 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="must be"):
         fused_moe(x, w13, w2, weights[:, :1], ids)
     assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, H)
+
+
+@pytest.fixture
+def gpu_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    if interpret_helpers.IN_PROCESS:
+        interpret_helpers.round_casts_like_the_gpu(monkeypatch)
+
+
+def fp8_problem(num_tokens: int, scheme: Fp8Scheme, dtype: torch.dtype):
+    """`problem`'s experts quantized per expert; whole 128x128 blocks for block-wise, `problem`'s ragged shape (tails
+    in every tile) per channel."""
+    hidden, inter = (256, 128) if scheme.block_wise else (H, I)
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    experts = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        # Rows of different magnitudes, as trained weights have: the scales must follow them.
+        weight = torch.randn(E, rows, cols, generator=gen) * torch.logspace(-2, 0, rows).unsqueeze(1) / cols**0.5
+        q, scales = zip(*(scheme.quantize(w) for w in weight), strict=True)
+        stacked = torch.stack(scales)
+        experts.append((torch.stack(q), stacked if scheme.block_wise else stacked.squeeze(-1)))
+    (w13, s13), (w2, s2) = experts
+    logits = torch.randn(num_tokens, E, generator=gen)
+    logits[:, E - 1] = -30.0
+    weights, ids = route(logits, K, norm_topk_prob=True)
+    return x, w13, w2, weights, ids, ExpertScales(scheme, s13, s2)
+
+
+@interpreted
+@pytest.mark.usefixtures("gpu_rounding")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", [Fp8Scheme("fp8"), Fp8Scheme("fbgemm_fp8")], ids=lambda s: s.method)
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_fp8_experts_match_the_reference(scheme: Fp8Scheme, dtype: torch.dtype, num_tokens: int) -> None:
+    """The FP8 experts (fp8 weights with per-expert scales, activations quantized per token / 128-group) compute
+    what experts_reference computes with FP8 projections: the same quantized operands, another fp32 summation order
+    (scales applied per K step rather than to the dequantized operands), so within fp32 rounding before the output's
+    rounding (fp32), or one bf16 ulp after it."""
+    x, w13, w2, weights, ids, scales = fp8_problem(num_tokens, scheme, dtype)
+    out = fused_moe(x, w13, w2, weights, ids, fp8=scales)
+    expected = experts_reference(x, w13, w2, weights, ids, fp8=scales)
+    assert out.dtype == dtype and out.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@interpreted
+def test_fp8_experts_with_wrong_scales_are_refused() -> None:
+    x, w13, w2, weights, ids, scales = fp8_problem(3, Fp8Scheme("fp8"), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w2's fp8 scales are \(6, 1, 2\) torch.float32; .* needs \(6, 2, 1\)"):
+        fused_moe(x, w13, w2, weights, ids, fp8=ExpertScales(scales.scheme, scales.w13, scales.w2.transpose(1, 2)))
+    with pytest.raises(ValueError, match="without fp8 scales"):
+        fused_moe(x, w13, w2, weights, ids)
 
 
 @pytest.mark.parametrize("element_size", [2, 4])

@@ -13,13 +13,11 @@ before it could).
 from __future__ import annotations
 
 import interpret_helpers  # first: sets TRITON_INTERPRET before anything imports triton
-import numpy as np
 import pytest
 import torch
 
 interpret_helpers.require_triton()
 
-import triton.language as tl  # noqa: E402
 
 from rlserve.model import layers  # noqa: E402
 from rlserve.model.attention.base import AttentionMetadata  # noqa: E402
@@ -48,21 +46,8 @@ NUM_TOKENS = 5
 
 @pytest.fixture(autouse=True)
 def gpu_bf16_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton's interpreter truncates fp32 -> bf16 where the GPU (and PyTorch) rounds to nearest even; make it round
-    like the GPU, so that the kernels' bf16 roundings can be held to the reference's."""
-    if not interpret_helpers.IN_PROCESS:
-        return
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def round_to_nearest_even(data: np.ndarray, src, dst, rounding_mode) -> np.ndarray:
-        if src == tl.float32 and dst == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(data)).to(torch.bfloat16)
-            return rounded.view(torch.int16).numpy().view(np.uint16)
-        return convert(data, src, dst, rounding_mode)
-
-    monkeypatch.setattr(interpreter, "_convert_float", round_to_nearest_even)
+    if interpret_helpers.IN_PROCESS:
+        interpret_helpers.round_casts_like_the_gpu(monkeypatch)
 
 
 def assert_matches(out: torch.Tensor, expected: torch.Tensor) -> None:

@@ -1,0 +1,87 @@
+"""CPU checks of the fused FP8 activation quantization (rlserve.model.kernels.fp8_quant) under TRITON_INTERPRET=1: its
+fp8 values and scales are bit-identical to the PyTorch reference (rlserve.model.fp8.scaled_mm_activation), in the same
+shapes and strides (block-wise: tokens padded to a multiple of 4, scales column-major), for per-token and 128-group
+scales, bf16 and fp32 inputs, strided rows, all-zero and negative-zero rows.
+
+The interpreter's own fp32 -> fp8 cast is wrong (interpret_helpers.round_casts_like_the_gpu): these checks make it
+round as the GPU's cvt.rn does, so a bit that differs here is the kernel's arithmetic, not the interpreter's.
+"""
+
+from __future__ import annotations
+
+import interpret_helpers  # first: sets TRITON_INTERPRET before anything imports triton
+import pytest
+import torch
+
+interpret_helpers.require_triton()
+
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, scaled_mm_activation  # noqa: E402
+from rlserve.model.kernels.fp8_quant import quantize_activation  # noqa: E402
+
+interpreted = interpret_helpers.interpreted
+
+if not interpret_helpers.IN_PROCESS:
+
+    def test_in_fresh_process():
+        interpret_helpers.run_in_fresh_process(__file__)
+
+
+FEATURES = 384  # 3 groups of 128; per token a row that is not a power of two (the kernel's block is masked)
+
+
+@pytest.fixture(autouse=True)
+def gpu_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    if interpret_helpers.IN_PROCESS:
+        interpret_helpers.round_casts_like_the_gpu(monkeypatch)
+
+
+def activations(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of very different magnitudes, one all zero and one of negative zeros (where there are enough rows), as a
+    strided view of a wider buffer (the engine hands projections slices of fused outputs)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    buffer = torch.randn(num_tokens, FEATURES + 64, generator=gen) * torch.logspace(-4, 3, num_tokens).unsqueeze(1)
+    if num_tokens > 2:
+        buffer[1] = 0.0
+        buffer[2] = -0.0
+    return buffer.to(dtype)[:, :FEATURES]
+
+
+def assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (q, scales), (ref_q, ref_scales) = got, want
+    assert q.dtype == FP8_DTYPE and q.shape == ref_q.shape and q.stride() == ref_q.stride()
+    assert scales.dtype == torch.float32 and scales.shape == ref_scales.shape
+    assert scales.stride() == ref_scales.stride()
+    assert torch.equal(scales, ref_scales)
+    differing = (q.view(torch.uint8) != ref_q.view(torch.uint8)).sum().item()
+    assert differing == 0, f"{differing} of {q.numel()} fp8 values differ from the reference's bits"
+
+
+@interpreted
+@pytest.mark.parametrize("group", [None, BLOCK], ids=["per-token", "per-128-group"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 6, 8])
+def test_values_and_scales_are_the_references_bits(group: int | None, dtype: torch.dtype, num_tokens: int) -> None:
+    x = activations(num_tokens, dtype)
+    got = quantize_activation(x, group)
+    assert_same_bits(got, scaled_mm_activation(x, group))
+    if group is not None:  # padded to a multiple of 4 tokens: zero values, unit scales, column-major scales
+        rows = got[0].shape[0]
+        assert rows % 4 == 0 and got[1].stride() == (1, rows)
+        assert not got[0][num_tokens:].float().any() and (got[1][num_tokens:] == 1).all()
+
+
+@interpreted
+def test_values_that_round_into_the_next_power_of_two() -> None:
+    """x / scale just under 128 and 256 rounds up to them (the mantissa carries into the exponent), and ties go to
+    even: the roundings Triton's interpreter gets wrong by itself."""
+    amax = torch.tensor([448.0])
+    ratios = torch.tensor([126.4, 124.0, 252.0, 250.0, 27.0, 29.0, 0.0009765625, 0.0029296875])
+    x = torch.cat([amax, ratios, -ratios]).repeat(1, BLOCK)[:, :BLOCK]
+    assert_same_bits(quantize_activation(x, BLOCK), scaled_mm_activation(x, BLOCK))
+    assert quantize_activation(x, BLOCK)[0][0, 1].float().item() == 128.0
+
+
+@interpreted
+def test_a_width_that_is_not_whole_groups_is_refused() -> None:
+    with pytest.raises(ValueError, match="200 features are not a multiple of the group 128"):
+        quantize_activation(torch.zeros(2, 200), BLOCK)
