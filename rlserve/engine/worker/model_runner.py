@@ -21,7 +21,7 @@ from rlserve.engine.worker.block_table import BlockTableBuffer
 from rlserve.engine.worker.cuda_graph import DecodeCUDAGraphs
 from rlserve.engine.worker.host_staging import HostStaging
 from rlserve.engine.worker.kv_memory import zeroed
-from rlserve.engine.worker.routed_experts import RoutedExpertsRecorder
+from rlserve.engine.worker.routed_experts import make_routed_experts_recorder
 from rlserve.engine.worker.sampling_inputs import sampling_metadata
 from rlserve.engine.worker.step_inputs import StepHeader, StepInputs, follower_header, gather_inputs
 from rlserve.engine.worker.step_outputs import LaunchedStep, RunnerOutput
@@ -31,7 +31,6 @@ from rlserve.model.attention import AttentionMetadata, PrefixGroups, create_atte
 from rlserve.model.forward_context import ForwardContext
 from rlserve.model.loader import load_model
 from rlserve.model.lora import lora_mask
-from rlserve.model.moe import routed_experts_dtype
 from rlserve.model.parallel import TensorParallelGroup
 from rlserve.model.sampler import LogprobsTensors, Sampler, gather_logprobs
 from rlserve.weight_transfer.packed import as_bytes
@@ -121,7 +120,9 @@ class ModelRunner:
         # Every checkpoint tensor the model has: what a full weight update writes.
         self.weight_names = frozenset(name for name, _ in self.model.checkpoint_weights())
         self._allocate_kv_cache()
-        self.routed_experts = self._make_routed_experts_recorder(config)
+        self.routed_experts = make_routed_experts_recorder(
+            config, self.spec, self.num_blocks * self.block_size, self.device
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",
             self.num_blocks,
@@ -155,24 +156,6 @@ class ModelRunner:
             (zeroed(shape, self.dtype, self.device), zeroed(shape, self.dtype, self.device))
             for _ in range(self.spec.num_layers)
         ]
-
-    def _make_routed_experts_recorder(self, config: EngineConfig) -> RoutedExpertsRecorder | None:
-        if not config.enable_return_routed_experts:
-            return None
-        moe = self.spec.moe
-        if moe is None:
-            raise ValueError(
-                f"enable_return_routed_experts: {self.spec.architecture} has no routed experts (not a MoE model)"
-            )
-        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        return RoutedExpertsRecorder(
-            self.num_blocks * self.block_size,
-            self.spec.num_layers,
-            moe.top_k,
-            routed_experts_dtype(moe.num_experts),
-            max_tokens,
-            self.device,
-        )
 
     @property
     def _routed_rows(self) -> torch.Tensor | None:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlserve.config import EngineConfig
 from rlserve.engine.sched.request import Request
+from rlserve.model.models.llama import DecoderSpec
+from rlserve.model.moe import routed_experts_dtype
 
 
 class RoutedExpertsRecorder:
@@ -46,3 +49,18 @@ class RoutedExpertsRecorder:
 
     def forget(self, request_id: str) -> None:
         self.recorded.pop(request_id, None)
+
+
+def make_routed_experts_recorder(
+    config: EngineConfig, spec: DecoderSpec, num_slots: int, device: torch.device
+) -> RoutedExpertsRecorder | None:
+    """The recorder of a MoE engine with `enable_return_routed_experts` (None without it), one row per KV slot."""
+    if not config.enable_return_routed_experts:
+        return None
+    moe = spec.moe
+    if moe is None:
+        raise ValueError(f"enable_return_routed_experts: {spec.architecture} has no routed experts (not a MoE model)")
+    max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    return RoutedExpertsRecorder(
+        num_slots, spec.num_layers, moe.top_k, routed_experts_dtype(moe.num_experts), max_tokens, device
+    )
