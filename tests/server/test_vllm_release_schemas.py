@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import urllib.error
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,13 +63,13 @@ def release_schemas(protocol: ReleaseProtocol) -> dict[str, TypeAdapter]:
 
 @pytest.fixture(scope="module")
 def schemas() -> Iterator[dict[str, dict[str, TypeAdapter]]]:
-    """release -> response kind -> a validator of vLLM's model, loaded once per test run (the files cached on disk;
-    the releases read side by side, each one wheel's HTTP round trips)."""
+    """release -> response kind -> a validator of vLLM's model, loaded once per test run (the files cached on disk).
+    One release after another: CPython 3.11's ast.parse is not safe in threads side by side ("AST constructor
+    recursion depth mismatch", seen in CI)."""
     protocols = [ReleaseProtocol(ReleaseFiles(release)) for release in RELEASES]
     try:
         try:
-            with ThreadPoolExecutor(len(protocols)) as pool:
-                loaded = dict(zip(RELEASES, pool.map(release_schemas, protocols), strict=True))
+            loaded = dict(zip(RELEASES, map(release_schemas, protocols), strict=True))
         except (urllib.error.URLError, TimeoutError) as error:
             pytest.skip(f"vLLM's wheels are not reachable on the package index ({error}) and not in the cache")
         yield loaded
