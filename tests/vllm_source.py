@@ -58,7 +58,12 @@ def release_of(root: Path) -> str | None:
     return None
 
 
-def find_vllm_source(version: str, environ: Mapping[str, str] = os.environ) -> VllmSource:
+def find_vllm_source(
+    version: str,
+    environ: Mapping[str, str] = os.environ,
+    cache_dir: Path = vllm_sdist.CACHE_DIR,
+    index_url: str = vllm_sdist.DEFAULT_INDEX,
+) -> VllmSource:
     """vLLM `version`'s source, by the order above; SourceUnavailable when there is none to be had."""
     missing = [name for name in LIGHT_PACKAGES if find_spec(name) is None]
     if missing:
@@ -70,9 +75,9 @@ def find_vllm_source(version: str, environ: Mapping[str, str] = os.environ) -> V
     if root is not None:
         return VllmSource(version, root, tuple(str(p) for p in given if release_of(p) is None))
     try:
-        return VllmSource(version, vllm_sdist.unpacked_sdist(version))
+        return VllmSource(version, vllm_sdist.unpacked_sdist(version, cache_dir, index_url))
     except OSError as error:
         raise SourceUnavailable(
-            f"vLLM {version}'s source: not in {vllm_sdist.CACHE_DIR} and the package index {vllm_sdist.DEFAULT_INDEX} "
-            f"cannot be reached ({error}); or name an unpacked source in {SOURCE_ENV}"
+            f"vLLM {version}'s source: not in {cache_dir} and the package index {index_url} cannot be reached "
+            f"({error}); or name an unpacked source in {SOURCE_ENV}"
         ) from error

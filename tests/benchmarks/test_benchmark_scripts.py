@@ -318,3 +318,18 @@ def test_vllm_rl_tests_classifies_a_fixture(tmp_path):
 def test_vllm_rl_tests_names_a_bad_source_dir(tmp_path):
     done = run_script([sys.executable, "benchmarks/vllm_rl_tests.py", "--source-dir", f"0.33.0={tmp_path}"])
     assert done.returncode != 0 and f"{tmp_path} has no tests/ directory" in done.stderr, done.stderr
+
+
+def test_vllm_033_unique_id_tests_pass_on_rlserve(vllm_source) -> None:
+    """vLLM 0.33.0's own tests/distributed/test_weight_transfer_nccl_uid.py (the NCCL backend's two rendezvous forms
+    and their validation), from its sdist, run by the script under `rlserve run`: every applicable test passes, so a
+    regression of the figure fails CI. The fastest in-scope file (about 6 s); the script's full run is minutes."""
+    root = vllm_source("0.33.0").root
+    command = [sys.executable, "benchmarks/vllm_rl_tests.py", "--versions", "0.33.0", "--source-dir", f"0.33.0={root}"]
+    done = run_script([*command, "--files", "tests/distributed/test_weight_transfer_nccl_uid.py"], timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "FAILED" not in done.stdout, done.stdout
+    figure = re.search(r"figure vLLM 0\.33\.0: (\d+) / (\d+) =", done.stdout)
+    assert figure, done.stdout
+    passed, applicable = map(int, figure.groups())
+    assert passed == applicable >= 14, done.stdout  # 14 run without a GPU
