@@ -11,6 +11,7 @@ import os
 import tarfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from vllm_source import SOURCE_ENV, SourceUnavailable, find_vllm_source
 
 from rlserve.engine.wire.process import free_port
+from rlserve.vllm_sdist import is_unpacked, unpacked_sdist
 
 VERSION = "9.9.9"
 SDIST = f"vllm-{VERSION}.tar.gz"
@@ -51,6 +53,7 @@ class Index:
     url: str
     sha256: str
     requests: list[str] = field(default_factory=list)
+    downloads_wait_for: threading.Barrier | None = None  # the archive is sent once this many downloads asked for it
 
 
 @pytest.fixture
@@ -68,6 +71,8 @@ def index() -> Iterator[Index]:
                 body = json.dumps({"files": [{"filename": SDIST, "url": url, "hashes": {"sha256": served.sha256}}]})
                 self._answer(body.encode(), "application/vnd.pypi.simple.v1+json")
             elif self.path == f"/files/{SDIST}":
+                if served.downloads_wait_for is not None:
+                    served.downloads_wait_for.wait(timeout=30)
                 self._answer(archive, "application/octet-stream")
             else:
                 self.send_error(404)
@@ -142,3 +147,13 @@ def test_the_environment_comes_first_and_without_an_index_the_reason_is_given(tm
     # Another release than the one given: the cache, then the index, which cannot be reached.
     with pytest.raises(SourceUnavailable, match=f"not in {tmp_path / 'cache'} and the package index {unreachable}"):
         find_vllm_source(VERSION, environ, cache_dir=tmp_path / "cache", index_url=unreachable)
+
+
+def test_two_runs_fetching_at_once_both_get_the_whole_tree(index: Index, tmp_path: Path) -> None:
+    """As two pytest processes (or pytest and the benchmark) on one cache: one unpack is renamed into place, the other
+    finds it there; neither sees half a tree."""
+    index.downloads_wait_for = threading.Barrier(2)  # both past the cache check before either unpacks
+    with ThreadPoolExecutor(2) as pool:
+        roots = list(pool.map(lambda _: unpacked_sdist(VERSION, tmp_path, index.url), range(2)))
+    assert roots == [tmp_path / f"vllm-{VERSION}"] * 2
+    assert _files(tmp_path) == {f"vllm-{VERSION}/{name}" for name in _files(roots[0])} and is_unpacked(roots[0])
