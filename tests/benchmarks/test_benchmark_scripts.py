@@ -73,8 +73,9 @@ SLOW_SMOKE = {
 }
 GPU_ONLY = {"attention_kernels.py", "batch_invariant_profile.py", "receive_overlap.py"}  # Triton kernels, CUDA streams
 # Run by another smoke: offline_generate.py, session_table.py and weight_sync.py (over gloo) by gpu_session.sh's,
-# w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run fetches vLLM's
-# sdists and takes minutes) by test_vllm_rl_tests_classifies_a_fixture below.
+# w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run takes minutes) by
+# test_vllm_rl_tests_classifies_a_fixture and, over one of vLLM's own files, by
+# test_vllm_033_unique_id_tests_pass_on_rlserve.
 COVERED_BY = {
     "offline_generate.py": "gpu_session.sh",
     "weight_sync.py": "gpu_session.sh",
