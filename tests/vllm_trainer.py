@@ -18,11 +18,13 @@ for `ncclCommInitRank`: a gloo group over the same store under `gloo_prefix(uniq
 
 Protocol with the parent, one line each way: prints `joined FILE` once the group is formed (FILE: where the
 `StatelessProcessGroup` that formed it was defined); then for each line `send FILE PACKED BUFFER_BYTES` it broadcasts
-FILE's tensors (sorted by name) and prints `sent`; `exit` ends it.
+FILE's tensors (sorted by name) and prints `sent`; for `pickle HEX` (128 bytes) it prints `pickled HEX`, the pickle of
+vLLM's `ncclUniqueId` holding them; `exit` ends it.
 
 `replay_rank0_store` and `replay_unique_id_class` are vLLM's store server and unique-id class written from
 the facts above, for tests that need a hostile trainer or vLLM's pickle bytes inside the test process (where importing
-vLLM's own package would shadow rlserve's `vllm` surface for the tests after).
+vLLM's own package would shadow rlserve's `vllm` surface for the tests after); the `pickle` command checks those bytes
+against vLLM's own class.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import os
+import pickle
 import socket
 import sys
 import types
@@ -106,6 +109,11 @@ def main(port: int, world_size: int, vllm_path: str) -> None:
         command, *args = line.split()
         if command == "exit":
             break
+        if command == "pickle":  # the bytes vLLM's rank 0 writes to the store for this unique id
+            unique_id = ncclUniqueId()
+            ctypes.memmove(ctypes.addressof(unique_id), bytes.fromhex(args[0]), 128)
+            print("pickled", pickle.dumps(unique_id).hex(), flush=True)
+            continue
         path, packed, buffer_bytes = args[0], args[1] == "1", int(args[2])
         weights = load_file(path)
         items = iter([(name, weights[name]) for name in sorted(weights)])

@@ -31,13 +31,15 @@ from vllm_trainer import replay_rank0_store
 from rlserve.dtypes import dtype_name
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
+from rlserve.weight_transfer.nccl_library import NCCL_UNIQUE_ID_BYTES, unique_id_from_bytes
+from rlserve.weight_transfer.stateless_group import decode_store_value, encode_store_value
 
 TRAINER = Path(__file__).resolve().parents[1] / "vllm_trainer.py"
 RENDEZVOUS_TIMEOUT_S = 120.0
 # Small buckets: the toy checkpoint spans several, an embedding larger than the budget among them.
 SMALL_BUFFER_BYTES = 4096
 PROMPT = "the trainer sent"
-PROTOCOL_WORDS = ("joined", "sent")
+PROTOCOL_WORDS = ("joined", "sent", "pickled")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,6 @@ class Trainer:
     """The trainer process running `source`'s vLLM code: joined on start, then one `send` per update."""
 
     def __init__(self, port: int, source: VllmSource) -> None:
-        self.source = source
         self.proc = subprocess.Popen(
             [sys.executable, str(TRAINER), str(port), "2", os.pathsep.join(source.path)],
             stdin=subprocess.PIPE,
@@ -66,6 +67,13 @@ class Trainer:
             got = _readline(self.proc.stdout, RENDEZVOUS_TIMEOUT_S)
         assert got.split()[:1] == [word], f"trainer said {got!r}, exit code {self.proc.poll()}"
         return got.removeprefix(word).strip()
+
+    def pickled_unique_id(self, raw: bytes) -> bytes:
+        """What vLLM's own rank 0 writes to its store for the unique id `raw`."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"pickle {raw.hex()}\n")
+        self.proc.stdin.flush()
+        return bytes.fromhex(self.expect("pickled"))
 
     def send(self, path: Path, packed: bool, buffer_bytes: int) -> None:
         assert self.proc.stdin is not None
@@ -161,6 +169,15 @@ def _assert_serves(server: Server, path: Path) -> None:
     assert compare_checksums(weight_checksums(load_file(path).items()), _checksums(server))["match"]
 
 
+def _assert_unique_id_pickles_as_vllms(trainer: Trainer) -> None:
+    """rlserve's rank 0 (its trainer classes, the group extensions build) writes the unique id as vLLM's own rank 0
+    does, byte for byte, so a vLLM worker reads it; and rlserve's restricted decoder reads vLLM's."""
+    raw = os.urandom(NCCL_UNIQUE_ID_BYTES)
+    vllm_bytes = trainer.pickled_unique_id(raw)
+    assert encode_store_value(unique_id_from_bytes(raw)) == vllm_bytes
+    assert bytes(decode_store_value(vllm_bytes)) == raw
+
+
 @pytest.mark.slow
 def test_vllm_024_and_033_trainers_update_rlserve(
     server: Server, server_model_dir: Path, new_weights_path: Path, trainer_at, vllm_source
@@ -173,6 +190,7 @@ def test_vllm_024_and_033_trainers_update_rlserve(
 
     # 0.24: one group, the packed fields in each update_info; first tensor by tensor, then packed.
     trainer = trainer_at(vllm_source("0.24.0"))
+    _assert_unique_id_pickles_as_vllms(trainer)
     _update(server, trainer, new_weights_path, update_info, packed=False, buffer_bytes=0)
     _assert_serves(server, new_weights_path)
     new_logprobs = _logprobs(server)
@@ -187,6 +205,7 @@ def test_vllm_024_and_033_trainers_update_rlserve(
     # 0.33: a new group whose handshake carries the packed fields; the second round's empty update_info reuses the
     # metadata (the same names back to the original checkpoint).
     trainer = trainer_at(vllm_source("0.33.0"), **packed)
+    _assert_unique_id_pickles_as_vllms(trainer)
     empty = {"names": [], "dtype_names": [], "shapes": []}
     for path, info in ((original_path, update_info), (new_weights_path, empty), (original_path, empty)):
         _update(server, trainer, path, info, packed=True, buffer_bytes=SMALL_BUFFER_BYTES, v033=True)
