@@ -1,17 +1,19 @@
 """vLLM's NCCL wire over real NCCL: a trainer on cuda:0 that sends as vLLM's trainer does, the engine on cuda:1
 receiving into rlserve (skipped without two GPUs: NCCL refuses two ranks on one GPU).
 
-The trainer runs vLLM's own code, from the release's source (the `vllm_source` fixture: fetched from the package
-index when not cached), for 0.24.0 and 0.33.0: its `trainer_init` (0.24's `NCCLWeightTransferEngine.trainer_init`,
-0.33's `nccl_common.trainer_init`: `StatelessProcessGroup` + `PyNcclCommunicator`, unique id through the store,
-`ncclCommInitRank`, warm-up all-reduce) and `packed_nccl_broadcast_producer`. The torch-free form: the trainer mints an
-id with `ncclGetUniqueId` (rlserve's vLLM-shaped classes), the engine joins from `nccl_unique_id_b64`. The same
-flow over gloo runs on CPU in tests/server/test_server_vllm_trainer.py.
+The trainer runs vLLM's own code where it runs from vLLM's source (the `vllm_source` fixture: fetched from the package
+index when not cached), for 0.24.0 and 0.33.0: its `StatelessProcessGroup` (the store and its key protocol) and
+`packed_nccl_broadcast_producer` (the packing and its stream rotation). The NCCL communicator on that group is
+rlserve's vLLM-shaped `PyNcclCommunicator`, as `trainer_init` would build vLLM's: vLLM's own needs its platform, and
+vLLM's CUDA platform module imports vLLM's compiled extension (`vllm._C_stable_libtorch`), which a source tree lacks.
+The torch-free form: the trainer mints an id with `ncclGetUniqueId`, the engine joins from `nccl_unique_id_b64`. The
+same flow over gloo, with vLLM's `ncclUniqueId` too, runs on CPU in tests/server/test_server_vllm_trainer.py.
 """
 
 from __future__ import annotations
 
 import base64
+import inspect
 import multiprocessing
 import sys
 import time
@@ -51,17 +53,17 @@ def _send(comm, weights: list[tuple[str, torch.Tensor]], packed: bool) -> None:
     torch.cuda.synchronize(0)
 
 
-def _trainer_over_store(port: int, vllm_path: list[str], version: str, rounds: list[tuple[str, bool]]) -> None:
-    """vLLM `version`'s trainer (its source first on the path): each round sends (weights dir, packed)."""
+def _trainer_over_store(port: int, vllm_path: list[str], rounds: list[tuple[str, bool]]) -> None:
+    """A trainer on a vLLM release's group (its source first on the path): each round sends (weights dir, packed)."""
     torch.cuda.set_device(0)
     sys.path[:0] = vllm_path
-    if version == "0.24.0":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+    from vllm.distributed.utils import StatelessProcessGroup
 
-        trainer_init = NCCLWeightTransferEngine.trainer_init
-    else:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-    comm = trainer_init(dict(master_address="127.0.0.1", master_port=port, world_size=2))
+    from rlserve.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    assert inspect.getsourcefile(StatelessProcessGroup).startswith(vllm_path[0])  # the release's, not the surface's
+    group = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=0, world_size=2)
+    comm = PyNcclCommunicator(group, device=0)
     for weights_dir, packed in rounds:
         _send(comm, _sorted_weights(weights_dir), packed)
     comm.destroy()
@@ -144,7 +146,7 @@ def test_vllm_store_rendezvous_unpacked_then_packed(model_dirs, engines, vllm_so
     rounds = [(new, False, expected), (old, True, before)]
     port = free_port()
     vllm_path = vllm_source(version).path
-    trainer = _run(_trainer_over_store, (port, vllm_path, version, [(str(d), packed) for d, packed, _ in rounds]))
+    trainer = _run(_trainer_over_store, (port, vllm_path, [(str(d), packed) for d, packed, _ in rounds]))
     try:
         llm.init_weight_transfer_engine(
             dict(init_info=dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2))
