@@ -3,10 +3,9 @@
     python benchmarks/vllm_rl_tests.py                      # 0.24.0 and 0.33.0, sdists fetched into --download-dir
     python benchmarks/vllm_rl_tests.py --versions 0.33.0 --source-dir 0.33.0=/tmp/vllm-0.33.0
 
-For each vLLM release, its sdist (the tests ship only there, not in the wheel) is fetched from the package index
-(PEP 691 JSON, checked against the index's sha256; `pip download --no-binary` cannot fetch it here, since pip builds
-vLLM's metadata first, which needs vLLM's build toolchain) and only its `tests/` tree is unpacked, into
-`--download-dir`. Nothing of it is kept in rlserve. Each test file in SCOPE then runs in its own
+For each vLLM release, its sdist (the tests ship only there, not in the wheel) is fetched from the package index and
+unpacked into `--download-dir` by rlserve/vllm_sdist.py (the tests' vLLM fixtures share that cache). Nothing of it is
+kept in rlserve. Each test file in SCOPE then runs in its own
 `rlserve run -- python -m pytest FILE` (rlserve's vllm import surface: `import vllm...` resolves to rlserve), from a
 directory holding only a link to the release's `tests/` (so that `tests.distributed...` imports resolve and vLLM's own
 package in the sdist never does), with `--noconftest`: vLLM's conftests are its harness for starting models and
@@ -28,22 +27,18 @@ from __future__ import annotations
 import argparse
 import ast
 import faulthandler
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlserve import vllm_sdist
+
 VERSIONS = ("0.24.0", "0.33.0")
-DEFAULT_INDEX = "https://pypi.org/simple"
-DEFAULT_DOWNLOAD_DIR = Path.home() / ".cache" / "rlserve" / "vllm-sdist"
 
 # The files in scope, per release: vLLM's tests of the RL API that rlserve implements (weight transfer to the engine,
 # its trainer side, its wire formats). Why each is in scope is said beside it.
@@ -177,36 +172,6 @@ class FileResult:
     @property
     def applicable(self) -> int:
         return len(self.passed) + len(self.failed)
-
-
-def fetch_tests(version: str, download_dir: Path, index_url: str) -> Path:
-    """The release's `tests/` unpacked under download_dir (fetched and checked once); the directory above it."""
-    root = download_dir / f"vllm-{version}"
-    if (root / "tests").is_dir():
-        return root
-    name = f"vllm-{version}.tar.gz"
-    request = urllib.request.Request(
-        f"{index_url.rstrip('/')}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        files = json.load(response)["files"]
-    entry = next((f for f in files if f["filename"] == name), None)
-    if entry is None:
-        raise SystemExit(f"vllm_rl_tests: the index {index_url} has no sdist {name} (is {version} a vLLM release?)")
-    download_dir.mkdir(parents=True, exist_ok=True)
-    archive = download_dir / name
-    with urllib.request.urlopen(entry["url"], timeout=600) as response, archive.open("wb") as out:
-        shutil.copyfileobj(response, out)
-    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
-    if digest != entry["hashes"]["sha256"]:
-        archive.unlink()
-        raise SystemExit(f"vllm_rl_tests: {name}: sha256 {digest} is not the index's {entry['hashes']['sha256']}")
-    prefix = f"vllm-{version}/tests/"
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
-        tar.extractall(download_dir, members=members, filter="data")
-    archive.unlink()
-    return root
 
 
 def count_tests(source: Path) -> int:
@@ -403,14 +368,23 @@ def parse_source_dirs(values: list[str], versions: list[str]) -> dict[str, Path]
     return dirs
 
 
+def _fetch(version: str, download_dir: Path, index_url: str) -> Path:
+    try:
+        return vllm_sdist.unpacked_sdist(version, download_dir, index_url)
+    except (LookupError, ValueError) as error:
+        raise SystemExit(f"vllm_rl_tests: {error}") from error
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--versions", default=",".join(VERSIONS), help=f"comma-separated, of {', '.join(VERSIONS)}")
-    parser.add_argument("--download-dir", type=Path, default=DEFAULT_DOWNLOAD_DIR, help="where sdists' tests unpack")
+    parser.add_argument("--download-dir", type=Path, default=vllm_sdist.CACHE_DIR, help="where sdists unpack")
     parser.add_argument(
         "--source-dir", action="append", default=[], metavar="VERSION=DIR", help="an unpacked source tree to use"
     )
-    parser.add_argument("--index-url", default=DEFAULT_INDEX, help="the package index (PEP 691 JSON) to fetch from")
+    parser.add_argument(
+        "--index-url", default=vllm_sdist.DEFAULT_INDEX, help="the package index (PEP 691 JSON) to fetch from"
+    )
     parser.add_argument("--files", default="", help="comma-separated subset of the in-scope files to run")
     parser.add_argument("--verbose", action="store_true", help="add each known failure's message to its reason")
     args = parser.parse_args(argv)
@@ -428,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     figures = {}
     for version in versions:
-        root = source_dirs.get(version) or fetch_tests(version, args.download_dir, args.index_url)
+        root = source_dirs.get(version) or _fetch(version, args.download_dir, args.index_url)
         files = [f for f in SCOPE[version] if not wanted or f in wanted]
         if not files:
             continue

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from vllm_source import SourceUnavailable, VllmSource, find_vllm_source
 
 from rlserve import LLM, RequestOutput, SamplingParams
 from rlserve.engine.sched.request import Request
@@ -190,3 +191,23 @@ def make_llm() -> Callable[..., LLM]:
 @pytest.fixture(scope="session")
 def generate() -> Callable[..., list[RequestOutput]]:
     return run_generate
+
+
+@pytest.fixture(scope="session")
+def vllm_source() -> Callable[[str], VllmSource]:
+    """vllm_source(version) -> that vLLM release's own source (tests/vllm_source.py says from where), found once per
+    session; the calling test skips, saying why, where there is none."""
+    found: dict[str, VllmSource | SourceUnavailable] = {}
+
+    def source(version: str) -> VllmSource:
+        if version not in found:
+            try:
+                found[version] = find_vllm_source(version)
+            except SourceUnavailable as unavailable:
+                found[version] = unavailable
+        result = found[version]
+        if isinstance(result, SourceUnavailable):
+            pytest.skip(str(result))
+        return result
+
+    return source

@@ -23,6 +23,7 @@ LAYERS: dict[str, int] = {
     "outputs": 0,
     "net": 0,
     "vllm_surface": 0,  # standard library only: the engine core installs it; its table names the rest as strings
+    "vllm_sdist": 0,  # standard library only: vLLM releases' source fetched for the tests and benchmarks
     "weight_transfer": 1,
     "lora": 1,  # the adapter request and format, which the model's layers and the engine both read
     "model": 2,

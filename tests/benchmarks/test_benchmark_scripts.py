@@ -80,8 +80,9 @@ SLOW_SMOKE = {
 GPU_ONLY = {"attention_kernels.py", "batch_invariant_profile.py", "receive_overlap.py", "fp8_gemm.py"}
 # Run by another smoke: offline_generate.py, session_table.py and weight_sync.py (over gloo) by gpu_session.sh's,
 # fp8_table.py by gpu_fp8.sh's,
-# w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run fetches vLLM's
-# sdists and takes minutes) by test_vllm_rl_tests_classifies_a_fixture below.
+# w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run takes minutes) by
+# test_vllm_rl_tests_classifies_a_fixture and, over one of vLLM's own files, by
+# test_vllm_033_unique_id_tests_pass_on_rlserve.
 COVERED_BY = {
     "offline_generate.py": "gpu_session.sh",
     "weight_sync.py": "gpu_session.sh",
@@ -347,3 +348,18 @@ def test_gpu_fp8_runs_in_cpu_smoke_mode(tmp_path):
     for row in ("W1 Qwen3-30B-A3B shape, bf16:", "W1 Qwen3-30B-A3B shape, fp8:", "x bf16 (goal 1.3x)",
                 "full update load, fp8:", "W1 Qwen3-8B shape: missing", "parity: missing"):  # fmt: skip
         assert row in table, table
+
+
+def test_vllm_033_unique_id_tests_pass_on_rlserve(vllm_source) -> None:
+    """vLLM 0.33.0's own tests/distributed/test_weight_transfer_nccl_uid.py (the NCCL backend's two rendezvous forms
+    and their validation), from its sdist, run by the script under `rlserve run`: every applicable test passes, so a
+    regression of the figure fails CI. The fastest in-scope file (about 6 s); the script's full run is minutes."""
+    root = vllm_source("0.33.0").root
+    command = [sys.executable, "benchmarks/vllm_rl_tests.py", "--versions", "0.33.0", "--source-dir", f"0.33.0={root}"]
+    done = run_script([*command, "--files", "tests/distributed/test_weight_transfer_nccl_uid.py"], timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "FAILED" not in done.stdout, done.stdout
+    figure = re.search(r"figure vLLM 0\.33\.0: (\d+) / (\d+) =", done.stdout)
+    assert figure, done.stdout
+    passed, applicable = map(int, figure.groups())
+    assert passed == applicable >= 14, done.stdout  # 14 run without a GPU

@@ -1,20 +1,20 @@
 """vLLM's NCCL wire over real NCCL: a trainer on cuda:0 that sends as vLLM's trainer does, the engine on cuda:1
 receiving into rlserve (skipped without two GPUs: NCCL refuses two ranks on one GPU).
 
-The trainer forms its group as vLLM 0.33.0's `nccl_common.trainer_init` does (`StatelessProcessGroup` +
-`PyNcclCommunicator`: unique id through the store, `ncclCommInitRank`, warm-up all-reduce) and packs as
-`packed_nccl_broadcast_producer`. By default it runs rlserve's vLLM-shaped classes with the packing replay of
-tests/vllm_trainer.py; with RLSERVE_TEST_VLLM_SRC naming vLLM's source (and its light imports) it runs vLLM's own
-`trainer_init` and `packed_nccl_broadcast_producer`. The torch-free form: the trainer mints an id with
-`ncclGetUniqueId`, the engine joins from `nccl_unique_id_b64`. The same flow over gloo runs on CPU in
-tests/server/test_server_vllm_trainer.py.
+The trainer runs vLLM's own code where it runs from vLLM's source (the `vllm_source` fixture: fetched from the package
+index when not cached), for 0.24.0 and 0.33.0: its `StatelessProcessGroup` (the store and its key protocol) and
+`packed_nccl_broadcast_producer` (the packing and its stream rotation). The NCCL communicator on that group is
+rlserve's vLLM-shaped `PyNcclCommunicator`, as `trainer_init` would build vLLM's: vLLM's own needs its platform, and
+vLLM's CUDA platform module imports vLLM's compiled extension (`vllm._C_stable_libtorch`), which a source tree lacks.
+The torch-free form: the trainer mints an id with `ncclGetUniqueId`, the engine joins from `nccl_unique_id_b64`. The
+same flow over gloo, with vLLM's `ncclUniqueId` too, runs on CPU in tests/server/test_server_vllm_trainer.py.
 """
 
 from __future__ import annotations
 
 import base64
+import inspect
 import multiprocessing
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vllm_trainer import replay_pack_chunks
 
 from rlserve import LLM, SamplingParams, WeightTransferConfig
 from rlserve.engine.wire.process import free_port
@@ -44,36 +43,29 @@ def _sorted_weights(new_dir: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def _send(comm, weights: list[tuple[str, torch.Tensor]], packed: bool) -> None:
-    source = os.environ.get("RLSERVE_TEST_VLLM_SRC")
-    if packed and source:
+    if packed:  # only where vLLM's source is on the path: the trainer over the store
         from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
         packed_nccl_broadcast_producer(iter(weights), comm, 0, lambda item: item[1], BUFFER_BYTES, 2)
-    elif packed:
-        for chunk in replay_pack_chunks(iter(weights), BUFFER_BYTES):
-            comm.broadcast(chunk, src=0)
     else:
         for _, tensor in weights:  # nccl_engine.trainer_send_weights, unpacked: each tensor in its own dtype
             comm.broadcast(tensor, src=0)
     torch.cuda.synchronize(0)
 
 
-def _trainer_over_store(port: int, new_dir: str, rounds: list[bool]) -> None:
+def _trainer_over_store(port: int, vllm_path: list[str], rounds: list[tuple[str, bool]]) -> None:
+    """A trainer on a vLLM release's group (its source first on the path): each round sends (weights dir, packed)."""
     torch.cuda.set_device(0)
-    source = os.environ.get("RLSERVE_TEST_VLLM_SRC")
-    if source:
-        sys.path[:0] = source.split(os.pathsep)
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    sys.path[:0] = vllm_path
+    from vllm.distributed.utils import StatelessProcessGroup
 
-        comm = trainer_init(dict(master_address="127.0.0.1", master_port=port, world_size=2))
-    else:
-        from rlserve.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from rlserve.distributed.utils import StatelessProcessGroup
+    from rlserve.distributed.device_communicators.pynccl import PyNcclCommunicator
 
-        comm = PyNcclCommunicator(StatelessProcessGroup.create("127.0.0.1", port, 0, 2), device=0)
-    weights = _sorted_weights(new_dir)
-    for packed in rounds:
-        _send(comm, weights, packed)
+    assert inspect.getsourcefile(StatelessProcessGroup).startswith(vllm_path[0])  # the release's, not the surface's
+    group = StatelessProcessGroup.create(host="127.0.0.1", port=port, rank=0, world_size=2)
+    comm = PyNcclCommunicator(group, device=0)
+    for weights_dir, packed in rounds:
+        _send(comm, _sorted_weights(weights_dir), packed)
     comm.destroy()
 
 
@@ -144,21 +136,26 @@ def _join(trainer: multiprocessing.Process) -> None:
     assert trainer.exitcode == 0
 
 
-def test_vllm_store_rendezvous_unpacked_then_packed(model_dirs, engines):
-    _, new = model_dirs
+@pytest.mark.parametrize("version", ["0.24.0", "0.33.0"])
+def test_vllm_store_rendezvous_unpacked_then_packed(model_dirs, engines, vllm_source, version):
+    """The new weights tensor by tensor, then the old ones back packed: both rounds change what the engine serves
+    whatever ran before."""
+    old, new = model_dirs
     llm, expected, before = engines
     assert before != expected
+    rounds = [(new, False, expected), (old, True, before)]
     port = free_port()
-    trainer = _run(_trainer_over_store, (port, str(new), [False, True]))
+    vllm_path = vllm_source(version).path
+    trainer = _run(_trainer_over_store, (port, vllm_path, [(str(d), packed) for d, packed, _ in rounds]))
     try:
         llm.init_weight_transfer_engine(
             dict(init_info=dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2))
         )
-        for step, packed in enumerate([False, True]):
+        for step, (weights_dir, packed, outputs) in enumerate(rounds):
             llm.start_weight_update()
-            llm.update_weights(dict(update_info=_update_info(new, packed)))
-            llm.finish_weight_update(weight_version=f"store-{step}")
-            assert _outputs(llm) == expected
+            llm.update_weights(dict(update_info=_update_info(weights_dir, packed)))
+            llm.finish_weight_update(weight_version=f"store-{version}-{step}")
+            assert _outputs(llm) == outputs
     finally:
         _join(trainer)
 

@@ -1,14 +1,17 @@
-"""vLLM's trainer-side sender updates a real `rlserve serve`: the trainer is another process on vLLM's wire
-(`vllm_trainer.py`: vLLM 0.33.0's store protocol, unique-id handshake and packing, replayed or, with
-RLSERVE_TEST_VLLM_SRC, vLLM's own code), driving the server over HTTP with vLLM's field names; the bytes go over gloo.
+"""vLLM's trainer-side sender updates a real `rlserve serve`: the trainer is another process running vLLM's own
+`StatelessProcessGroup`, `ncclUniqueId` and `pack_tensors` (`vllm_trainer.py`, with the release's source from the
+`vllm_source` fixture: fetched from the package index when not cached), driving the server over HTTP with vLLM's field
+names; the bytes go over gloo.
 
-Both request shapes: vLLM 0.24's (`trainer_init` / `trainer_send_weights`: the packed fields in every update_info) and
-0.33's (`NCCLTrainerWeightTransferEngine`: the packed fields at the handshake; an empty update_info reuses the last
+Both releases, each with its request shape: vLLM 0.24.0's code with 0.24's requests (`trainer_init` /
+`trainer_send_weights`: the packed fields in every update_info) and 0.33.0's code with 0.33's
+(`NCCLTrainerWeightTransferEngine`: the packed fields at the handshake; an empty update_info reuses the last
 metadata). The new weights come from another random checkpoint, so a transfer that did not land cannot pass.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
@@ -21,18 +24,22 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 from server_helpers import MODEL_NAME, Server, free_port
-from vllm_trainer import ReplayStatelessProcessGroup
+from torch.distributed import TCPStore
+from vllm_source import VllmSource
+from vllm_trainer import replay_rank0_store
 
 from rlserve.dtypes import dtype_name
 from rlserve.toy import make_model_dir
 from rlserve.weight_transfer import compare_checksums, weight_checksums
+from rlserve.weight_transfer.nccl_library import NCCL_UNIQUE_ID_BYTES, unique_id_from_bytes
+from rlserve.weight_transfer.stateless_group import decode_store_value, encode_store_value
 
 TRAINER = Path(__file__).resolve().parents[1] / "vllm_trainer.py"
 RENDEZVOUS_TIMEOUT_S = 120.0
 # Small buckets: the toy checkpoint spans several, an embedding larger than the budget among them.
 SMALL_BUFFER_BYTES = 4096
 PROMPT = "the trainer sent"
-PROTOCOL_LINES = ("joined", "sent")
+PROTOCOL_WORDS = ("joined", "sent", "pickled")
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +48,32 @@ def new_weights_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class Trainer:
-    """The trainer process: joined on start, then one `send` per update."""
+    """The trainer process running `source`'s vLLM code: joined on start, then one `send` per update."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, source: VllmSource) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(TRAINER), str(port), "2"],
+            [sys.executable, str(TRAINER), str(port), "2", os.pathsep.join(source.path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
 
-    def expect(self, line: str) -> None:
-        """The trainer's next protocol line; log lines (vLLM's logger writes to stdout) are passed over."""
+    def expect(self, word: str) -> str:
+        """The trainer's next protocol line, which must start with `word`: the rest of it. Log lines (vLLM's logger
+        writes to stdout) are passed over."""
         assert self.proc.stdout is not None
         got = _readline(self.proc.stdout, RENDEZVOUS_TIMEOUT_S)
-        while got and got not in PROTOCOL_LINES:
+        while got and got.split()[0] not in PROTOCOL_WORDS:
             got = _readline(self.proc.stdout, RENDEZVOUS_TIMEOUT_S)
-        assert got == line, f"trainer said {got!r}, exit code {self.proc.poll()}"
+        assert got.split()[:1] == [word], f"trainer said {got!r}, exit code {self.proc.poll()}"
+        return got.removeprefix(word).strip()
+
+    def pickled_unique_id(self, raw: bytes) -> bytes:
+        """What vLLM's own rank 0 writes to its store for the unique id `raw`."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"pickle {raw.hex()}\n")
+        self.proc.stdin.flush()
+        return bytes.fromhex(self.expect("pickled"))
 
     def send(self, path: Path, packed: bool, buffer_bytes: int) -> None:
         assert self.proc.stdin is not None
@@ -87,18 +103,19 @@ def _readline(stream: IO[str], timeout_s: float) -> str:
 
 @pytest.fixture
 def trainer_at(server: Server) -> Iterator:
-    """trainer_at(init_info) -> a trainer process joined to the server through /init_weight_transfer_engine."""
+    """trainer_at(source, **init_info) -> a trainer process running `source`'s vLLM code, joined to the server
+    through /init_weight_transfer_engine; vLLM's own group formed it (checked by where its class was defined)."""
     started: list[Trainer] = []
 
-    def start(**init_fields: object) -> Trainer:
+    def start(source: VllmSource, **init_fields: object) -> Trainer:
         port = free_port()
-        trainer = Trainer(port)
+        trainer = Trainer(port, source)
         started.append(trainer)
         init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
         with _rendezvous_client(server) as http:
             response = http.post("/init_weight_transfer_engine", json={"init_info": {**init_info, **init_fields}})
         assert response.status_code == 200, response.text
-        trainer.expect("joined")
+        assert trainer.expect("joined") == str(source.module_file("vllm.distributed.utils"))
         return trainer
 
     yield start
@@ -152,9 +169,18 @@ def _assert_serves(server: Server, path: Path) -> None:
     assert compare_checksums(weight_checksums(load_file(path).items()), _checksums(server))["match"]
 
 
+def _assert_unique_id_pickles_as_vllms(trainer: Trainer) -> None:
+    """rlserve's rank 0 (its trainer classes, the group extensions build) writes the unique id as vLLM's own rank 0
+    does, byte for byte, so a vLLM worker reads it; and rlserve's restricted decoder reads vLLM's."""
+    raw = os.urandom(NCCL_UNIQUE_ID_BYTES)
+    vllm_bytes = trainer.pickled_unique_id(raw)
+    assert encode_store_value(unique_id_from_bytes(raw)) == vllm_bytes
+    assert bytes(decode_store_value(vllm_bytes)) == raw
+
+
 @pytest.mark.slow
 def test_vllm_024_and_033_trainers_update_rlserve(
-    server: Server, server_model_dir: Path, new_weights_path: Path, trainer_at
+    server: Server, server_model_dir: Path, new_weights_path: Path, trainer_at, vllm_source
 ) -> None:
     original_path = server_model_dir / "model.safetensors"
     original_logprobs = _logprobs(server)
@@ -163,7 +189,8 @@ def test_vllm_024_and_033_trainers_update_rlserve(
     assert max(sizes) > SMALL_BUFFER_BYTES and sum(sizes) > 4 * SMALL_BUFFER_BYTES  # several buckets, one oversized
 
     # 0.24: one group, the packed fields in each update_info; first tensor by tensor, then packed.
-    trainer = trainer_at()
+    trainer = trainer_at(vllm_source("0.24.0"))
+    _assert_unique_id_pickles_as_vllms(trainer)
     _update(server, trainer, new_weights_path, update_info, packed=False, buffer_bytes=0)
     _assert_serves(server, new_weights_path)
     new_logprobs = _logprobs(server)
@@ -177,7 +204,8 @@ def test_vllm_024_and_033_trainers_update_rlserve(
 
     # 0.33: a new group whose handshake carries the packed fields; the second round's empty update_info reuses the
     # metadata (the same names back to the original checkpoint).
-    trainer = trainer_at(**packed)
+    trainer = trainer_at(vllm_source("0.33.0"), **packed)
+    _assert_unique_id_pickles_as_vllms(trainer)
     empty = {"names": [], "dtype_names": [], "shapes": []}
     for path, info in ((original_path, update_info), (new_weights_path, empty), (original_path, empty)):
         _update(server, trainer, path, info, packed=True, buffer_bytes=SMALL_BUFFER_BYTES, v033=True)
@@ -203,18 +231,18 @@ def test_a_store_payload_that_runs_code_is_refused_without_running(server: Serve
     marker = tmp_path / "payload-ran"
     port = free_port()
 
-    def serve_store() -> ReplayStatelessProcessGroup:
-        group = ReplayStatelessProcessGroup.create("127.0.0.1", port, 0, 2)  # returns once the server connected
-        group.store.set("broadcast_from/0/0", pickle.dumps(_RunsCode(marker)))
-        return group
+    def serve_store() -> TCPStore:
+        store = replay_rank0_store("127.0.0.1", port, 2)  # returns once the server connected
+        store.set("broadcast_from/0/0", pickle.dumps(_RunsCode(marker)))
+        return store
 
     with ThreadPoolExecutor(1) as pool, _rendezvous_client(server) as http:
         store_side = pool.submit(serve_store)
         init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
         response = http.post("/init_weight_transfer_engine", json={"init_info": init_info})
-        group = store_side.result(RENDEZVOUS_TIMEOUT_S)
+        store = store_side.result(RENDEZVOUS_TIMEOUT_S)
     assert response.status_code == 400, response.text
     assert "refused posix.mkdir" in response.json()["error"]["message"]
     assert not marker.exists()
-    group.store = None  # the trainer's end closes
+    del store  # the trainer's end closes
     assert _logprobs(server)  # still serving

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import io
-import json
 import sys
 import types
 import urllib.request
@@ -32,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-INDEX_URL = "https://pypi.org/simple"
+from rlserve.vllm_sdist import DEFAULT_INDEX, index_files
+
 CACHE_DIR = Path.home() / ".cache" / "rlserve" / "vllm-wheel"
 HTTP_TIMEOUT_S = 60.0
 READ_CHUNK = 1 << 20  # one range request reads at least this much: the central directory comes in one or two
@@ -74,11 +74,7 @@ class _HTTPRangeFile(io.RawIOBase):
 
 def _wheel_url(version: str, index_url: str) -> tuple[str, int]:
     """The URL and size of vLLM `version`'s wheel (any platform's: the Python files are the same in each)."""
-    request = urllib.request.Request(
-        f"{index_url.rstrip('/')}/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
-    )
-    with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as response:
-        files = json.load(response)["files"]
+    files = index_files("vllm", index_url)
     prefix = f"vllm-{version}-cp"  # no build tag: the release's first upload
     wheel = next((f for f in files if f["filename"].startswith(prefix) and f["filename"].endswith(".whl")), None)
     if wheel is None:
@@ -92,7 +88,7 @@ class ReleaseFiles:
 
     version: str
     cache_dir: Path = CACHE_DIR
-    index_url: str = INDEX_URL
+    index_url: str = DEFAULT_INDEX
     _wheel: zipfile.ZipFile | None = field(default=None, init=False, repr=False)
 
     def module_source(self, module: str) -> tuple[str, bool]:
