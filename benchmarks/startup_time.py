@@ -7,7 +7,10 @@ The model directory is built first (random weights, `rlserve.toy.make_model_dir`
 `python -m rlserve.cli serve DIR` starts on a free 127.0.0.1 port with the engine's defaults for the device (extra
 `serve` flags through `--serve-arg=--flag=value`, repeatable); the clock starts just before the process does, so the
 interpreter's start and the imports count. Reported: seconds until /health first answers 200, and until the first
-/v1/completions request (a short text prompt, `--max-tokens` tokens, EOS ignored) has returned. The server runs in a
+/v1/completions request (a short text prompt, `--max-tokens` tokens, EOS ignored) has returned; with
+`--serve-arg=--log-level=info`, also the start-up timeline read from the server's log (each phase's line, seconds
+after the process was started: the front end's imports, the fork server's, the core's load, KV cache, graphs and
+warm-up, serving). The server runs in a
 process group of its own, killed at the end whatever happened (also on SIGTERM, as `timeout` sends), so neither it nor
 its engine-core process outlives this script. The exit status is non-zero when the server fails to start or to
 answer within `--timeout` seconds.
@@ -16,8 +19,10 @@ answer within `--timeout` seconds.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +104,7 @@ def main() -> int:
     result: dict = dict(device=args.device, preset=args.preset, dtype=dtype, serve_args=args.serve_arg, ok=False)
     with log.open("wb") as out:
         t0 = time.perf_counter()
+        started_at = time.time()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = t0 + args.timeout
@@ -131,6 +137,9 @@ def main() -> int:
             f"first completion ({tokens} tokens) after {first_s:.2f} s (the request itself {request_s:.2f} s)",
             flush=True,
         )
+        result["timeline"] = timeline(log, started_at)
+        for offset, process, message in result["timeline"]:
+            print(f"  {offset:6.2f} s  {process:<20} {message}", flush=True)
         return_code = 0
     except (Exception, SystemExit) as e:
         result["error"] = repr(e)
@@ -143,6 +152,28 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
     return return_code
+
+
+# rlserve.log.FORMAT's start: "2026-12-07 02:40:10,567 INFO rlserve-engine-core rlserve.x.y: message".
+_LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO (\S+) (\S+): (.*)$")
+
+
+def timeline(log: Path, started_at: float) -> list[tuple[float, str, str]]:
+    """The server's start-up timeline from its log at --log-level info: each rlserve line up to the one that says it
+    serves, as (seconds after the server's process was started, process, message). The core's phases (load, KV
+    cache, graphs, warm-up) and the lines that say `start-up:` (the imports, the fork server's preload, the
+    tokenizer) are among them."""
+    rows = []
+    for line in log.read_text(errors="replace").splitlines():
+        match = _LOG_LINE.match(line)
+        if match is None:
+            continue
+        stamp, process, _, message = match.groups()
+        at = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        rows.append((round(at - started_at, 3), process, message[:150]))
+        if message.startswith("serving "):
+            break
+    return rows
 
 
 def _tail(path: Path, chars: int = 3000) -> str:

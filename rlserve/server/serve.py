@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from rlserve.dtypes import dtype_name
 from rlserve.engine.frontend.args import EngineArgs
 from rlserve.engine.frontend.async_llm import AsyncLLM, EngineDeadError, start_shared_cores
+from rlserve.engine.wire.process import process_age_s
 from rlserve.log import configure_logging
 from rlserve.model.loader import load_hf_config, resolve_dtype
 from rlserve.server.app import build_app
@@ -177,7 +178,7 @@ async def _log_start_up(engine: AsyncLLM, args: argparse.Namespace) -> None:
     name = args.served_model_name[0]
     logger.info(
         "serving %s on %s in %s: KV cache %d blocks x %d tokens (%d tokens), max model len %d; "
-        "http://%s:%d/v1 (API: /docs)",
+        "http://%s:%d/v1 (API: /docs); start-up: %.1f s after the process started",
         name if name == config.model else f"{name} ({config.model})",
         config.device,
         dtype,
@@ -187,6 +188,7 @@ async def _log_start_up(engine: AsyncLLM, args: argparse.Namespace) -> None:
         engine.max_model_len,
         host,
         args.port,
+        process_age_s(),
     )
 
 
@@ -298,6 +300,7 @@ def _warn_at_start(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    logger.info("start-up: the front end's imports ended %.1f s after the process started", process_age_s())
     _warn_at_start(args)
     if args.api_server_count < 1:
         print("rlserve serve: --api-server-count must be >= 1", file=sys.stderr)

@@ -48,9 +48,19 @@ SMOKE = {
         ["--device", "cpu", "--ranks", "1", "--sync-intervals", "1", "--repeats", "1"],
         "independent",
     ),
-    "startup_time.py": (
-        ["--device", "cpu", "--preset", "tiny", "--max-tokens", "2", "--timeout", "120"],
-        "first completion",
+    "startup_time.py": (  # the timeline's line of the core, read from the server's log, comes after the result's
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--max-tokens",
+            "2",
+            "--timeout",
+            "120",
+            "--serve-arg=--log-level=info",
+        ],
+        "rlserve-engine-core  start-up: forked from the fork server",
     ),
     "server_throughput.py": (
         ["--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--repeats", "1", "--client-processes", "1"]

@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from rlserve import vllm_surface
 from rlserve.engine.core.dp_lockstep import LockstepLink, PeerLost, rendezvous_store
 from rlserve.engine.wire.auth import require_secret
 from rlserve.engine.wire.messages import Codec, EngineCoreOutput, EngineStatus, UtilityResult, pack_outputs
-from rlserve.engine.wire.process import pid_alive
+from rlserve.engine.wire.process import pid_alive, process_age_s
 from rlserve.engine.wire.startup import EXIT_PEER_LOST, EXIT_STEP_FAILED, CoreStartup
 from rlserve.log import configure_logging
 
@@ -79,6 +80,7 @@ def run_engine_core(
     if startup.vllm_surface:  # read where the worker extension is imported, here and in processes started from here
         os.environ[vllm_surface.ENV_VAR] = "1"
     started = time.monotonic()
+    _log_fork_server_preload()
     config = startup.config
     _or_report(ready, "", lambda: _register_backends(startup.extra_backends))
     store = None
@@ -111,6 +113,17 @@ def run_engine_core(
         socket.close(linger=0)
         authenticator.stop()
         context.term()
+
+
+def _log_fork_server_preload() -> None:
+    """The start-up timeline's line of a core forked from the fork server (not one a Ray actor or a thread runs)."""
+    preload = sys.modules.get("rlserve.engine.core.fork_server_preload")
+    if preload is not None:
+        logger.info(
+            "start-up: forked from the fork server, whose imports took %.1f s and ended %.1f s before this fork",
+            preload.IMPORTS_S,
+            time.time() - process_age_s() - preload.IMPORTS_ENDED,
+        )
 
 
 def _lockstep_secret(startup: CoreStartup) -> str:

@@ -21,6 +21,7 @@ from rlserve import vllm_surface
 from rlserve.config import EngineConfig
 from rlserve.engine.wire.auth import new_secret, private_ipc_address, remove_ipc_address
 from rlserve.engine.wire.backends import registered_backends
+from rlserve.engine.wire.process import process_age_s
 from rlserve.engine.wire.startup import EXIT_PEER_LOST, EXIT_STEP_FAILED, CoreStartup
 
 logger = logging.getLogger(__name__)
@@ -140,11 +141,12 @@ class CoreProcess:
             raise startup_error(detail)
         logger.info(
             "engine core (pid %d) serving %.1f s after it was started (%.1f s of it building the engine; waited "
-            "%.1f s for it)",
+            "%.1f s for it); start-up: %.1f s after this process started",
             self.process.pid,
             time.monotonic() - self._started,
             detail,
             time.monotonic() - waited_from,
+            process_age_s(),
         )
 
     @property

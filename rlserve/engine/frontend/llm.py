@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -26,6 +28,8 @@ from rlserve.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     from rlserve.config import EngineConfig
     from rlserve.engine.core.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
@@ -80,7 +84,9 @@ class EngineFrontEnd:
         self.client = make_client(self.config)  # a core process starts in the background
         try:
             try:
+                loading = time.monotonic()
                 self.tokenizer = load_tokenizer(self.config.model)  # meanwhile
+                logger.info("start-up: tokenizer loaded in %.1f s while the core starts", time.monotonic() - loading)
             except Exception:
                 self.client.connect()  # the core's error says what is wrong with the model directory, if anything
                 raise

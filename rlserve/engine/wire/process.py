@@ -4,6 +4,7 @@ one engine wait for each other in a collective."""
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 # A rank waits in a collective with its peers (the data-parallel ranks' all-gather, their expert-parallel exchange)
@@ -27,3 +28,14 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux's /proc: the start time in clock ticks after boot against the
+    uptime; 10 ms resolution), for the start-up timeline's log lines: the interpreter's start and the imports count,
+    which no clock read inside the program sees."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
