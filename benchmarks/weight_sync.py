@@ -127,6 +127,9 @@ class Row:
     fraction: float
     raw_buckets_s: float | None = None
     fraction_of_raw_buckets: float | None = None
+    # ipc: where an update's time goes, medians over the updates: the trainer's packing (all but its round trips),
+    # the engine's phases (PhaseTimedIPCEngine), and the messages (the round trips less the engine's phases).
+    phases_s: dict[str, float] | None = None
     trainer_peak_extra_mib: float | None = None
     engine_peak_extra_mib: float | None = None
     trainer_mem_first_last_mib: tuple[float, float] | None = None
@@ -168,11 +171,50 @@ def _devices(backend: str) -> tuple[torch.device, torch.device]:
     return torch.device("cpu"), torch.device("cpu")
 
 
+class PhaseTimedIPCEngine(IPCWeightTransferEngine):
+    """The ipc engine with each engine-side phase of an update timed on the host (what the trainer waits for): the
+    mapping of the trainer's export (of each tensor's, unpacked), the loader's copies launched, the synchronize before the answer (the copies
+    running), the mapping released after the last chunk. Seconds add up per update in `phase_s`."""
+
+    PHASES = ("map", "load", "sync", "release")
+
+    def __init__(self, config: WeightTransferConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self.phase_s = dict.fromkeys(self.PHASES, 0.0)
+
+    def _timed(self, phase: str, call: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.phase_s[phase] += time.perf_counter() - started
+
+    def take_phases(self) -> dict[str, float]:
+        phases, self.phase_s = self.phase_s, dict.fromkeys(self.PHASES, 0.0)
+        phases["sync"] -= phases["release"]  # _finish releases after its synchronize: counted apart
+        return phases
+
+    def receive_weights(self, update_info: Any, load_weights: Callable[..., None]) -> None:
+        super().receive_weights(update_info, lambda weights: self._timed("load", lambda: load_weights(weights)))
+
+    def _map_buffer(self, handle: dict[str, Any], index: int, required: bool) -> torch.Tensor | None:
+        return self._timed("map", lambda: super(PhaseTimedIPCEngine, self)._map_buffer(handle, index, required))
+
+    def _rebuild(self, handle: dict[str, Any], index: int, required: bool) -> torch.Tensor | None:  # unpacked
+        return self._timed("map", lambda: super(PhaseTimedIPCEngine, self)._rebuild(handle, index, required))
+
+    def _finish(self, update_info: Any, index: int) -> None:
+        self._timed("sync", lambda: super(PhaseTimedIPCEngine, self)._finish(update_info, index))
+
+    def _release(self) -> None:
+        self._timed("release", super()._release)
+
+
 def _receiving_engine(backend: str, device: torch.device, port: int) -> Any:
     """The engine's transfer engine, joined to the trainer (nccl/gloo: through the group at `port`)."""
     config = WeightTransferConfig("ipc" if backend == "ipc" else "nccl")
     if backend == "ipc":
-        engine: Any = IPCWeightTransferEngine(config, device)
+        engine: Any = PhaseTimedIPCEngine(config, device)
         engine.init_transfer_engine(engine.parse_init_info({}))
     else:
         engine = NCCLWeightTransferEngine(config, device, timeout_s=TIMEOUT_S)
@@ -240,15 +282,24 @@ class EngineSide:
         memory = MemoryProbe(self.device)
         memory.start()
         send_message(self.conn, {"cmd": "run", **cmd})
-        engine_times = []
+        engine_times, engine_phases = [], []
         for _ in range(cmd["updates"]):
             seconds = self.receive_update(cmd)
             if seconds is not None:
                 engine_times.append(seconds)
+            if self.backend == "ipc":
+                engine_phases.append(self.engine.take_phases())
             memory.after_update()
         done = receive_message(self.conn)
         times = done["times"] if self.backend == "ipc" else engine_times
         seconds = statistics.median(times[1:] if len(times) > 1 else times)  # the first update warms up
+        phases_s = None
+        if self.backend == "ipc":
+            per_update = [
+                {"pack": total - trips, **engine, "messages": trips - sum(engine.values())}
+                for total, trips, engine in zip(times, done["round_trips"], engine_phases, strict=True)
+            ][1:] or engine_phases
+            phases_s = {phase: statistics.median(u[phase] for u in per_update) for phase in per_update[0]}
         trainer_mem, engine_mem = done["memory"], memory.report()
         # Checked after the memory readings: torch.equal allocates temporaries of the largest tensor's size.
         bad = [name for name, t in self.expected.items() if not torch.equal(self.target[name], t)]
@@ -264,6 +315,7 @@ class EngineSide:
             fraction=ceiling_s / seconds,
             raw_buckets_s=raw_buckets_s,
             fraction_of_raw_buckets=None if raw_buckets_s is None else raw_buckets_s / seconds,
+            phases_s=phases_s,
             trainer_peak_extra_mib=trainer_mem["peak_extra_mib"],
             engine_peak_extra_mib=engine_mem["peak_extra_mib"],
             trainer_mem_first_last_mib=_pair(trainer_mem),
@@ -449,6 +501,10 @@ def print_table(rows: list[Row], info: dict[str, Any]) -> None:
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     for line in (header, *lines):
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+    for r in rows:
+        if r.phases_s is not None:
+            phases = ", ".join(f"{phase} {s * 1e3:.2f}" for phase, s in r.phases_s.items())
+            print(f"{r.mode} {_fmt(r.buffer_mib, '.0f')} MiB, ms per update (medians): {phases}")
 
 
 def main() -> None:

@@ -72,13 +72,19 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
             _trainer_sparse(conn, weights, cmd, MODELS[spec["model"]])
             continue
         memory.start()
-        times = []
+        times: list[float] = []
+        round_trips: list[float] = []  # per update, its chunks sent until the engine answered: the rest is packing
+
+        def send(info: dict[str, Any], round_trips: list[float] = round_trips) -> None:
+            sent = time.perf_counter()
+            request_reply(conn, {"update_info": info})
+            round_trips[-1] += time.perf_counter() - sent
+
         for _ in range(cmd["updates"]):
             if spec["backend"] == "ipc":
+                round_trips.append(0.0)
                 args = IPCTrainerSendWeightsArgs(
-                    send_mode=lambda info: request_reply(conn, {"update_info": info}),
-                    packed=cmd["packed"],
-                    packed_buffer_size_bytes=cmd["buffer"],
+                    send_mode=send, packed=cmd["packed"], packed_buffer_size_bytes=cmd["buffer"]
                 )
                 t0 = time.perf_counter()
                 IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), args)
@@ -95,7 +101,7 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
             synchronize(device)
             times.append(time.perf_counter() - t0)
             memory.after_update()
-        send_message(conn, {"done": True, "times": times, "memory": memory.report()})
+        send_message(conn, {"done": True, "times": times, "round_trips": round_trips, "memory": memory.report()})
     if group is not None:
         group.shutdown()
 

@@ -10,9 +10,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -286,10 +288,29 @@ def test_weight_sync_ipc_table_prints_its_copy_ceiling(monkeypatch, capsys):
 
     info = dict(backend="ipc", model="qwen3-0.6b-shape", tensors=310, model_gb=1.192, device="cuda:0", torch="2.11")
     info |= dict(intra_op_threads=16, copy_bw_gbps=4100.0, copy_floor_s=0.00058, per_tensor_s=0.0034)
-    print_table([Row("ipc", "packed", 1024.0, None, 0.0117, 101.9, 0.05)], info)
+    phases = dict(pack=0.0021, map=0.0002, load=0.0001, sync=0.0009, release=0.0015, messages=0.0003)
+    print_table([Row("ipc", "packed", 1024.0, None, 0.0117, 101.9, 0.05, phases_s=phases)], info)
     out = capsys.readouterr().out
     assert "device copy 4100 GB/s" in out and "raw broadcast" not in out
     assert "0.0117" in out
+    assert "packed 1024 MiB, ms per update (medians): pack 2.10, map 0.20, load 0.10, sync 0.90, release 1.50" in out
+
+
+def test_weight_sync_ipc_phases_add_up_per_update(monkeypatch):
+    """The ipc engine's phase clock (needs no CUDA to count): each phase's seconds add up until taken, and the
+    release, which runs inside the synchronize's phase (`_finish`), is counted apart from it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from weight_sync import PhaseTimedIPCEngine
+
+    from rlserve.config import WeightTransferConfig
+
+    engine = PhaseTimedIPCEngine(WeightTransferConfig("ipc"), torch.device("cpu"))
+    engine._timed("map", lambda: time.sleep(0.02))
+    engine._timed("map", lambda: time.sleep(0.02))
+    engine._timed("sync", lambda: (time.sleep(0.03), engine._release()))
+    phases = engine.take_phases()
+    assert phases["map"] >= 0.04 and 0.03 <= phases["sync"] < 0.03 + 0.02 and phases["release"] < 0.01, phases
+    assert engine.take_phases() == dict.fromkeys(PhaseTimedIPCEngine.PHASES, 0.0)
 
 
 # A stand-in for vLLM 0.33.0's test_packed_tensor.py: vLLM's imports through rlserve's surface, and one test of each
