@@ -173,8 +173,9 @@ def _devices(backend: str) -> tuple[torch.device, torch.device]:
 
 class PhaseTimedIPCEngine(IPCWeightTransferEngine):
     """The ipc engine with each engine-side phase of an update timed on the host (what the trainer waits for): the
-    mapping of the trainer's export (of each tensor's, unpacked), the loader's copies launched, the synchronize before the answer (the copies
-    running), the mapping released after the last chunk. Seconds add up per update in `phase_s`."""
+    mapping of the trainer's export (of each tensor's, unpacked), the loader's copies launched, the synchronize
+    before the answer (the copies running), the mapping released after the last chunk. Seconds add up per update in
+    `phase_s`."""
 
     PHASES = ("map", "load", "sync", "release")
 
