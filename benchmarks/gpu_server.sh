@@ -6,6 +6,8 @@
 #   w1_mp, w1_inproc   W1 through `LLM.generate` (benchmarks/offline_generate.py), the core in its own process (the
 #                      default) and in the caller's (RLSERVE_ENABLE_MULTIPROCESSING=0), in the same run (W7's
 #                      offline row is w1_mp again: SKIP="w1_mp w1_inproc" saves their time).
+#   w7_ceiling         W7's clients against a server that answers at once (benchmarks/w7_client_ceiling.py): their
+#                      own ceiling, non-streaming and streaming, so that W7 is known to measure the server.
 #   w7                 W7 server vs offline (benchmarks/server_throughput.py, 1024 x 256 in / 256 out) for each
 #                      server set-up in W7_VARIANTS (';'-separated `--variant` specs), against one offline figure:
 #                      by default non-streaming and streaming with one API server, then with four, then four
@@ -75,6 +77,10 @@ fi
 W7=(python3 benchmarks/server_throughput.py --device "$DEVICE" --preset "$PRESET" --dtype "$DTYPE"
   --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" --output-len "$SEQ_LEN" --repeats "$W7_REPEATS"
   ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"})
+# The clients' own ceiling first (the same clients against a server that answers at once): W7 measures the server
+# only where this is well above it.
+part w7_ceiling 90 python3 benchmarks/w7_client_ceiling.py --num-prompts "$NUM_PROMPTS" --input-len "$SEQ_LEN" \
+  --output-len "$SEQ_LEN" --repeats 3
 IFS=';' read -r -a SPECS <<<"$W7_VARIANTS"
 VARIANT_ARGS=()
 for spec in "${SPECS[@]}"; do VARIANT_ARGS+=("--variant=$spec"); done
@@ -103,9 +109,11 @@ part startup_warm 60 "${STARTUP[@]}" --timeout 55 --log "$LOGS/startup_warm_serv
   for name in w1_mp w1_inproc; do
     [ -f "$LOGS/$name.log" ] && grep -h "^engine start\|^W1 " "$LOGS/$name.log" | sed "s/^/$name: /"
   done
+  [ -f "$LOGS/w7_ceiling.log" ] && grep -h "^| non-streaming\|^| streaming" "$LOGS/w7_ceiling.log" | sed "s/^/w7_ceiling: /"
   for name in w7 w7_profile; do
     [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
+  [ -f "$LOGS/w4_ipc.log" ] && grep -h "ms per update" "$LOGS/w4_ipc.log" | sed "s/^/w4_ipc: /"
   for name in startup_cold startup_inproc startup_warm; do
     [ -f "$LOGS/$name.log" ] && grep -h "^startup" "$LOGS/$name.log" | sed "s/^/$name: /"
   done

@@ -69,6 +69,11 @@ SMOKE = {
         + ["--cpu-threads", "1"],
         "| server",
     ),
+    "w7_client_ceiling.py": (
+        ["--num-prompts", "8", "--output-len", "4", "--repeats", "1", "--client-processes", "1"]
+        + ["--server-processes", "1"],
+        "| streaming     |",
+    ),
     "prefix_attention.py": (  # the long workload's 128-token prompts group; W2's at this scale are too short to
         ["--device", "cpu", "--preset", "tiny", "--scale", "0.005", "--repeats", "1", "--long-prompts", "2"]
         + ["--long-prompt-len", "128", "--long-output-len", "8"],
@@ -84,6 +89,7 @@ SMOKE = {
 SLOW_SMOKE = {
     "startup_time.py",
     "server_throughput.py",
+    "w7_client_ceiling.py",
     "control_plane_load.py",
     "dp_pause_latency.py",
     "async_updates.py",
