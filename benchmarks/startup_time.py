@@ -68,7 +68,7 @@ def _raise_exit(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--preset", default="tiny")
@@ -85,7 +85,11 @@ def main() -> int:
     )
     ap.add_argument("--log", default=None, help="write the server's output here (default: a temporary file)")
     ap.add_argument("--out", default=None, help="write the result as JSON here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = _parser().parse_args()
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
 
     model_dir = args.model_dir or build_model(args.preset, dtype)
