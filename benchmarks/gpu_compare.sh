@@ -4,6 +4,8 @@
 # change, carried as an ignored folder), engines alternating for ROUNDS rounds, one warm-up and one timed run each:
 # the change's cost as medians taken in one call. Logs under $OUT; the table last. Device call:
 #   run(command="BASE=.base bash benchmarks/gpu_compare.sh", carry=[".whl", ".base"], timeout_s=600)
+# W7=1 adds W7 on both trees after W1 (benchmarks/server_throughput.py, W7's shape: the default server non-streaming
+# and streaming, W7_REPEATS runs each against its own offline W1, base first): with TESTS= it fits one call.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -12,7 +14,10 @@ ROUNDS=${ROUNDS:-3}
 DEVICE=${DEVICE:-cuda}
 PRESET=${PRESET:-qwen3-0.6b-shape}
 SCALE=${SCALE:-1}
-TESTS=${TESTS:-tests/gpu}
+TESTS=${TESTS-tests/gpu}
+W7_PROMPTS=${W7_PROMPTS:-1024}
+W7_LEN=${W7_LEN:-256}
+W7_REPEATS=${W7_REPEATS:-3}
 mkdir -p "$OUT"
 if ! python3 -c "import zmq, msgspec, fastapi, uvicorn" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -37,6 +42,16 @@ for r in $(seq "$ROUNDS"); do
   w1 "$BASE" base
   w1 . tree
 done
+w7() {  # w7 TREE LABEL
+  (cd "$1" && PYTHONPATH=$PWD${SITE:+:$SITE} timeout 280 python3 benchmarks/server_throughput.py --device "$DEVICE" \
+    --model-dir "$MODEL" --num-prompts "$W7_PROMPTS" --input-len "$W7_LEN" --output-len "$W7_LEN" \
+    --repeats "$W7_REPEATS" --variant= --variant=stream) >"$OUT/w7_$2.log" 2>&1
+  grep -h "^| offline\|^| server" "$OUT/w7_$2.log" | sed "s/^/W7 $2 /" | tee -a "$OUT/summary.txt"
+}
+if [ "${W7:-0}" = 1 ]; then
+  w7 "$BASE" base
+  w7 . tree
+fi
 python3 - "$OUT/w1_runs.txt" <<'PY' | tee -a "$OUT/summary.txt"
 import statistics, sys
 runs = {}
