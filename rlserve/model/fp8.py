@@ -27,6 +27,10 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 BLOCK = 128
 # Smallest amax a scale is computed from: an all-zero block gets a tiny scale (its q are 0), never a 0 to divide by.
 MIN_AMAX = 1e-12
+# A scale is amax times this, not amax / 448: PyTorch's CUDA division by a Python number is a multiply by its
+# reciprocal and its CPU division is a true one, so only the multiply gives the same bits on every device (and in the
+# fused kernel, rlserve.model.kernels.fp8_quant).
+FP8_MAX_RECIPROCAL = 1.0 / FP8_MAX
 # The decoder projections whose weights are quantized (checkpoint sub-names); the LM head, embeddings, norms and a
 # MoE router stay in the model dtype.
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -89,7 +93,7 @@ class ExpertScales:
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=MIN_AMAX) / FP8_MAX
+    return amax.float().clamp(min=MIN_AMAX) * FP8_MAX_RECIPROCAL
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:

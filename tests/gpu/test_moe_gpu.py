@@ -41,29 +41,36 @@ def test_fused_moe_matches_the_reference(num_tokens):
 
 @pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
 @pytest.mark.parametrize("num_tokens", [1, 64, 1000])
-def test_fused_moe_in_fp8_matches_the_reference(num_tokens, method):
-    """FP8 experts (each expert quantized, its scales stacked) through the fused kernel against experts_reference's
-    FP8 projections (the scaled GEMM on the same quantized operands). The activation between the two GEMMs is
-    re-quantized, and the two paths' bf16 roundings of it differ in summation order, so a value on a rounding edge
-    lands one fp8 step apart now and then (seen at 1,000 tokens per channel on an H100, 2026-12-07: one output 0.033
-    off): the whole is held within bf16 rounding by norm, each output within a few fp8 steps' worth."""
+def test_fused_moe_in_fp8_is_as_accurate_as_the_reference(num_tokens, method):
+    """FP8 experts (each expert quantized, its scales stacked) through the fused kernel and through
+    experts_reference's FP8 projections (the scaled GEMM on the same quantized operands), each against the exact
+    experts on the dequantized weights in fp32. The two FP8 paths cannot agree bit for bit: each quantizes its
+    activations (x, and the activation between the GEMMs) itself, from bf16 values whose roundings differ in summation
+    order, so a value on a rounding edge lands one fp8 step apart (a relative 1-1.4% between the two paths by norm, seen
+    on an H100, 2026-12-07). What must hold is that the fused kernel loses no more than the reference does; a wrong
+    scale, expert or routing weight would be off by far more."""
     from rlserve.model.kernels.fused_moe import fused_moe
 
     x, w13, w2, weights, ids = _problem(num_tokens)
     scheme = Fp8Scheme(method)
-    quantized = []
+    quantized, exact_weights = [], []
     for w in (w13, w2):
         q, scales = zip(*(scheme.quantize(expert) for expert in w), strict=True)
+        exact_weights.append(torch.stack([scheme.dequantize(*pair) for pair in zip(q, scales, strict=True)]))
         stacked = torch.stack(scales)
         quantized.append((torch.stack(q), stacked if scheme.block_wise else stacked.squeeze(-1)))
     (q13, s13), (q2, s2) = quantized
     fp8 = ExpertScales(scheme, s13, s2)
     with torch.inference_mode():
-        got = fused_moe(x, q13, q2, weights, ids, fp8=fp8)
-        want = experts_reference(x, q13, q2, weights, ids, fp8=fp8)
-    error = (got.float() - want.float()).norm() / want.float().norm()
-    assert error < 2**-7, error
-    assert torch.allclose(got.float(), want.float(), rtol=2**-6, atol=2**-3), (got - want).abs().max()
+        got = fused_moe(x, q13, q2, weights, ids, fp8=fp8).float()
+        want = experts_reference(x, q13, q2, weights, ids, fp8=fp8).float()
+        exact = experts_reference(x.float(), *exact_weights, weights, ids, out_dtype=torch.float32)
+
+    def error(y: torch.Tensor) -> float:
+        return ((y - exact).norm() / exact.norm()).item()
+
+    assert error(want) < 2**-3, error(want)  # FP8 activations (3 mantissa bits), twice: about 4-5% by norm
+    assert error(got) <= 1.25 * error(want) + 2**-10, (error(got), error(want))
 
 
 def test_batch_invariant_kernel_rows_do_not_depend_on_the_batch():
