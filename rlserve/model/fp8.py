@@ -27,10 +27,6 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 BLOCK = 128
 # Smallest amax a scale is computed from: an all-zero block gets a tiny scale (its q are 0), never a 0 to divide by.
 MIN_AMAX = 1e-12
-# A scale is amax times this, not amax / 448: PyTorch's CUDA division by a Python number is a multiply by its
-# reciprocal and its CPU division is a true one, so only the multiply gives the same bits on every device (and in the
-# fused kernel, rlserve.model.kernels.fp8_quant).
-FP8_MAX_RECIPROCAL = 1.0 / FP8_MAX
 # The decoder projections whose weights are quantized (checkpoint sub-names); the LM head, embeddings, norms and a
 # MoE router stay in the model dtype.
 QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -93,7 +89,11 @@ class ExpertScales:
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=MIN_AMAX) * FP8_MAX_RECIPROCAL
+    # A true division on every device: PyTorch's CUDA kernel divides by a Python number (or a CPU scalar) as a multiply
+    # by its reciprocal, 1 ulp off now and then, which broke the fused kernel's bits on an H100 (2026-12-07), and the
+    # division keeps quantize(dequantize(q, s)) == (q, s), what an update of unchanged weights needs.
+    amax = amax.float().clamp(min=MIN_AMAX)
+    return amax / amax.new_full((), FP8_MAX)
 
 
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlserve.model.fp8 import FP8_DTYPE, FP8_MAX, FP8_MAX_RECIPROCAL, MIN_AMAX, scaled_mm_rows
+from rlserve.model.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, scaled_mm_rows
 
 
 # The token count (and the block-wise scales' column stride, the padded count) changes every step: specialising on it
@@ -36,7 +36,6 @@ def _quantize_kernel(
     stride_scale_token,
     stride_scale_group,
     FP8_MAX: tl.constexpr,
-    FP8_MAX_RECIPROCAL: tl.constexpr,
     MIN_AMAX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -49,11 +48,11 @@ def _quantize_kernel(
     real = token < num_tokens
     read = tl.arange(0, BLOCK) < tl.where(real, group_size, 0)  # a padding row reads nothing
     x = tl.load(x_ptr + token * stride_x + offs, mask=read, other=0.0).to(tl.float32)
-    # The reference's order: the amax clamped from below (an all-zero group gets a tiny scale, never 0), then times
-    # 1/448 (rlserve.model.fp8.FP8_MAX_RECIPROCAL says why). div_rn for the values: Triton's `/` on fp32 is the GPU's
-    # approximate division (div.full.f32, up to 2 ulp off), which flipped the fp8 rounding of about one value in a
-    # million against PyTorch's IEEE division by a tensor on an H100 (2026-12-07).
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) * FP8_MAX_RECIPROCAL
+    # The reference's order: the amax clamped from below (an all-zero group gets a tiny scale, never 0), then / 448.
+    # div_rn: Triton's `/` on fp32 is the GPU's approximate division (div.full.f32, up to 2 ulp off), which flipped
+    # the fp8 rounding of about one value in a million against PyTorch's IEEE division on an H100 (2026-12-07); the
+    # reference divides the scale by a tensor too (rlserve.model.fp8._scale_of says why).
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX), FP8_MAX)
     scale = tl.where(real, scale, 1.0)
     q = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + token * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=in_group)
@@ -82,7 +81,6 @@ def quantize_activation(x: torch.Tensor, group: int | None) -> tuple[torch.Tenso
         return q, scales
     _quantize_kernel[(rows, features // group_size)](
         x, q, scales, num_tokens, group_size, x.stride(0), q.stride(0), *strides,
-        FP8_MAX=FP8_MAX, FP8_MAX_RECIPROCAL=FP8_MAX_RECIPROCAL, MIN_AMAX=MIN_AMAX, BLOCK=block,
-        num_warps=min(max(block // 512, 1), 16),
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
     )  # fmt: skip
     return q, scales
