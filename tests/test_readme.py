@@ -42,7 +42,7 @@ MAX_LINE_CHARS = 120
 SETUP_LINES = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]' && pip "
     "install --no-deps -r requirements-frameworks.txt && rlserve demo": "the fresh-machine set-up: .ci/run does it",
-    ". .venv/bin/activate && OMP_NUM_THREADS=1 pytest -q": "the test suite: this test is part of it",
+    ". .venv/bin/activate && OMP_NUM_THREADS=1 pytest -q -n 2": "the test suite: this test is part of it",
 }
 GPU_ONLY = {
     "pip install -e '.[gpu]'": "the GPU extra (Triton): installs packages, for the GPU path only",

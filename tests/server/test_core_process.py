@@ -147,7 +147,13 @@ def test_two_api_servers_share_one_core(two_api_servers):
     children = descendants(server.proc.pid)
     assert len(engine_core_pids(server.proc.pid)) == 1
     assert len([p for p in children if p not in engine_core_pids(server.proc.pid)]) >= 2  # the API servers
-    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "return_token_weight_versions": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "hello",
+        "max_tokens": 4,
+        "return_token_weight_versions": True,
+        "ignore_eos": True,
+    }
     # Fresh connections: the kernel spreads them over both processes' accept queues.
     post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, timeout=60, **kw)  # noqa: E731
     results = [post("/v1/completions", json=body) for _ in range(12)]
