@@ -5,7 +5,8 @@
 # the change's cost as medians taken in one call. Logs under $OUT; the table last. Device call:
 #   run(command="BASE=.base bash benchmarks/gpu_compare.sh", carry=[".whl", ".base"], timeout_s=600)
 # W7=1 adds W7 on both trees after W1 (benchmarks/server_throughput.py, W7's shape: the default server non-streaming
-# and streaming, W7_REPEATS runs each against its own offline W1, base first): with TESTS= it fits one call.
+# and streaming, W7_REPEATS runs each against its own offline W1, base first): with TESTS= it fits one call. W7 alone,
+# with more runs per tree: ROUNDS=0 TESTS= W7=1 W7_REPEATS=5.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -52,6 +53,7 @@ if [ "${W7:-0}" = 1 ]; then
   w7 "$BASE" base
   w7 . tree
 fi
+[ -s "$OUT/w1_runs.txt" ] || exit 0  # ROUNDS=0: no W1 to summarise
 python3 - "$OUT/w1_runs.txt" <<'PY' | tee -a "$OUT/summary.txt"
 import statistics, sys
 runs = {}
