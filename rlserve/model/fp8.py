@@ -269,15 +269,21 @@ def is_quantized_weight_name(name: str) -> bool:
     return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in QUANTIZED_PROJECTIONS and ".layers." in name
 
 
-def quantize_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme) -> Iterator[tuple[str, Any]]:
+WeightQuantizer = Callable[[torch.Tensor, Fp8Scheme], tuple[torch.Tensor, torch.Tensor]]
+
+
+def quantize_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme, quantize: WeightQuantizer | None = None
+) -> Iterator[tuple[str, Any]]:
     """A checkpoint's tensors with every projection weight replaced by its fp8 tensor and scales (`name` and
     `name_scale_inv` / `name_scale`), the rest as they are: what an FP8 checkpoint holds, and what a trainer that
-    quantizes before sending sends."""
+    quantizes before sending sends. `quantize` (weight, scheme) -> (q, scale) gives the same bits as
+    `scheme.quantize` faster (rlserve.model.layers.quantize_fp8_weight, a kernel on CUDA)."""
     for name, tensor in weights:
         if not is_quantized_weight_name(name):
             yield name, tensor
             continue
-        q, scale = scheme.quantize(tensor)
+        q, scale = quantize(tensor, scheme) if quantize is not None else scheme.quantize(tensor)
         yield name, q
         yield name.removesuffix("weight") + scheme.scale_name, scale
 

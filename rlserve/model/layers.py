@@ -45,6 +45,16 @@ def fp8_activation_kernel(x: torch.Tensor) -> ActivationQuantizer | None:
     return quantize_activation
 
 
+def quantize_fp8_weight(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scheme.quantize(weight)`, in one Triton launch where it runs (CUDA with Triton: the same bits,
+    rlserve.model.kernels.fp8_quant.quantize_weight), else the PyTorch reference."""
+    if not (weight.is_cuda and _HAS_TRITON):
+        return scheme.quantize(weight)
+    from rlserve.model.kernels.fp8_quant import quantize_weight
+
+    return quantize_weight(weight, scheme)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Hugging Face's op order (normalise in fp32, cast back, then scale), so outputs agree with it in any dtype.
     dtype = x.dtype

@@ -12,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from rlserve.dtypes import TORCH_DTYPES
 from rlserve.model.fp8 import Fp8Scheme, scheme_from_hf_config, weight_scale_storage
-from rlserve.model.layers import Linear, RotaryEmbedding
+from rlserve.model.layers import Linear, RotaryEmbedding, quantize_fp8_weight
 from rlserve.model.models import MODEL_CLASSES, SUPPORTED_ARCHITECTURES, DecoderForCausalLM, spec_from_hf_config
 from rlserve.model.parallel import TensorParallelGroup
 
@@ -143,7 +143,7 @@ def _dummy_fp8(module: torch.nn.Module, weight_name: str, scale_name: str, gener
     param = getattr(module, weight_name)
     weight = torch.empty(param.shape, device=param.device)
     weight.uniform_(-DUMMY_WEIGHTS_RANGE, DUMMY_WEIGHTS_RANGE, generator=generator)
-    q, scale = module.fp8.quantize(weight)
+    q, scale = quantize_fp8_weight(weight, module.fp8)
     param.data.copy_(q)
     getattr(module, scale_name).data.copy_(scale)
 

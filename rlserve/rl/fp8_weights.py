@@ -14,13 +14,14 @@ from functools import cached_property
 import torch
 
 from rlserve.model.fp8 import FP8_DTYPE, Fp8Scheme, is_quantized_weight_name, quantize_checkpoint
+from rlserve.model.layers import quantize_fp8_weight
 from rlserve.weight_transfer.source import ParamMeta, WeightSource
 
 
 class Fp8QuantizedSource(WeightSource):
     """`source`'s weights with every decoder projection weight replaced by its fp8 tensor and scales in `method`'s
     layout ("fp8": `weight_scale_inv` per 128x128 block; "fbgemm_fp8": `weight_scale` per row), the rest as they
-    are. Each tensor is quantized whole, as `source.iter_full()` yields it."""
+    are. Each tensor is quantized whole, as `source.iter_full()` yields it, on its device (one kernel on CUDA)."""
 
     def __init__(self, source: WeightSource, method: str = "fp8") -> None:
         self._source = source
@@ -40,4 +41,4 @@ class Fp8QuantizedSource(WeightSource):
         return metas
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from quantize_checkpoint(self._source.iter_full(), self.scheme)
+        yield from quantize_checkpoint(self._source.iter_full(), self.scheme, quantize_fp8_weight)

@@ -2,8 +2,8 @@
 BlockWise128x128) against the CPU reference path's arithmetic (rlserve.model.fp8.reference_matmul, the same
 dequantized operands multiplied in fp32) at Qwen3-8B's projection shapes and one whose in/128 is not a multiple of 4
 (padded weight scales), with the activations quantized by PyTorch and by the fused Triton kernel, whose bits must be
-PyTorch's; a weight update of an FP8 engine that
-runs on CUDA graphs: the same storage (captured pointers), and outputs equal to a fresh engine of the new weights;
+PyTorch's, and so must the weight quantization kernel's; a weight update of an FP8 engine that runs on CUDA
+graphs: the same storage (captured pointers), and outputs equal to a fresh engine of the new weights;
 and the ipc backend's updates, bf16 and trainer-quantized.
 
     pytest -q tests/gpu/test_fp8_gpu.py
@@ -31,7 +31,7 @@ from rlserve.model.fp8 import (
     scaled_mm_activation,
     weight_scale_storage,
 )
-from rlserve.model.layers import fp8_activation_kernel
+from rlserve.model.layers import fp8_activation_kernel, quantize_fp8_weight
 from rlserve.model.loader import iterate_checkpoint
 from rlserve.rl.fp8_weights import Fp8QuantizedSource
 from rlserve.toy import make_model_dir
@@ -57,6 +57,20 @@ def test_fused_activation_quantization_is_the_torch_paths_bits(group: int | None
         assert q.stride() == ref_q.stride() and scales.shape == ref_scales.shape
         assert scales.stride() == ref_scales.stride() and torch.equal(scales, ref_scales)
         assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (group, tokens)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.method)
+def test_weight_quantization_kernel_is_the_torch_paths_bits(scheme: Fp8Scheme) -> None:
+    """What a bf16 update into an FP8 engine runs (rlserve.model.layers.quantize_fp8_weight) at the 8B projection
+    shapes and the odd one, bf16 and fp32 weights of very different magnitudes per row."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for out_features, in_features in SHAPES.values():
+        rows = torch.logspace(-5, 1, out_features, device="cuda").unsqueeze(1)
+        for dtype in (torch.bfloat16, torch.float32):
+            weight = (torch.randn(out_features, in_features, device="cuda", generator=gen) * rows).to(dtype)
+            (q, scale), (ref_q, ref_scale) = quantize_fp8_weight(weight, scheme), scheme.quantize(weight)
+            assert q.stride() == ref_q.stride() and torch.equal(scale, ref_scale), (scheme.method, dtype)
+            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), (scheme.method, dtype, in_features)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-quant", "fused-quant"])

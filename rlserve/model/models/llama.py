@@ -27,6 +27,7 @@ from rlserve.model.layers import (
     ShardSlice,
     VocabParallelEmbedding,
     norm_and_rotate_qk,
+    quantize_fp8_weight,
     silu_and_mul,
 )
 from rlserve.model.lora import LoRASlots
@@ -480,7 +481,7 @@ class DecoderForCausalLM(nn.Module):
             if module is None or tensor.dtype == FP8_DTYPE:
                 yield name, tensor
                 continue
-            q, scale = module.fp8.quantize(tensor.to(self._resolve(name)[0].device))
+            q, scale = quantize_fp8_weight(tensor.to(self._resolve(name)[0].device), module.fp8)
             yield name, q
             yield self._scale_name(name, module), scale
 

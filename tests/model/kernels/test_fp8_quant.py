@@ -1,7 +1,9 @@
-"""CPU checks of the fused FP8 activation quantization (rlserve.model.kernels.fp8_quant) under TRITON_INTERPRET=1: its
-fp8 values and scales are bit-identical to the PyTorch reference (rlserve.model.fp8.scaled_mm_activation), in the same
-shapes and strides (block-wise: tokens padded to a multiple of 4, scales column-major), for per-token and 128-group
-scales, bf16 and fp32 inputs, strided rows, all-zero and negative-zero rows.
+"""CPU checks of the fused FP8 quantization kernels (rlserve.model.kernels.fp8_quant) under TRITON_INTERPRET=1.
+Activations: fp8 values and scales bit-identical to the PyTorch reference (rlserve.model.fp8.scaled_mm_activation), in
+the same shapes and strides (block-wise: tokens padded to a multiple of 4, scales column-major), for per-token and
+128-group scales, bf16 and fp32 inputs, strided rows, all-zero and negative-zero rows. Weights: bit-identical to
+`Fp8Scheme.quantize` in both layouts, for shapes that are not whole blocks or chunks, bf16 / fp16 / fp32, strided
+weights, all-zero blocks and negative zeros.
 
 The interpreter's own fp32 -> fp8 cast is wrong (interpret_helpers.round_casts_like_the_gpu): these checks make it
 round as the GPU's cvt.rn does, so a bit that differs here is the kernel's arithmetic, not the interpreter's.
@@ -15,8 +17,8 @@ import torch
 
 interpret_helpers.require_triton()
 
-from rlserve.model.fp8 import BLOCK, FP8_DTYPE, scaled_mm_activation  # noqa: E402
-from rlserve.model.kernels.fp8_quant import quantize_activation  # noqa: E402
+from rlserve.model.fp8 import BLOCK, FP8_DTYPE, Fp8Scheme, scaled_mm_activation  # noqa: E402
+from rlserve.model.kernels.fp8_quant import quantize_activation, quantize_weight  # noqa: E402
 
 interpreted = interpret_helpers.interpreted
 
@@ -35,15 +37,15 @@ def gpu_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
         interpret_helpers.round_casts_like_the_gpu(monkeypatch)
 
 
-def activations(num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+def activations(num_tokens: int, dtype: torch.dtype, features: int = FEATURES) -> torch.Tensor:
     """Rows of very different magnitudes, one all zero and one of negative zeros (where there are enough rows), as a
     strided view of a wider buffer (the engine hands projections slices of fused outputs)."""
     gen = torch.Generator().manual_seed(num_tokens)
-    buffer = torch.randn(num_tokens, FEATURES + 64, generator=gen) * torch.logspace(-4, 3, num_tokens).unsqueeze(1)
+    buffer = torch.randn(num_tokens, features + 64, generator=gen) * torch.logspace(-4, 3, num_tokens).unsqueeze(1)
     if num_tokens > 2:
         buffer[1] = 0.0
         buffer[2] = -0.0
-    return buffer.to(dtype)[:, :FEATURES]
+    return buffer.to(dtype)[:, :features]
 
 
 def assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -71,6 +73,13 @@ def test_values_and_scales_are_the_references_bits(group: int | None, dtype: tor
 
 
 @interpreted
+def test_rows_wider_than_one_programs_groups() -> None:
+    """20 groups: a program quantizes 16 of a row's groups, so the row takes two, the second with 12 masked."""
+    x = activations(6, torch.bfloat16, features=20 * BLOCK)
+    assert_same_bits(quantize_activation(x, BLOCK), scaled_mm_activation(x, BLOCK))
+
+
+@interpreted
 def test_values_that_round_into_the_next_power_of_two() -> None:
     """x / scale just under 128 and 256 rounds up to them (the mantissa carries into the exponent), and ties go to
     even: the roundings Triton's interpreter gets wrong by itself."""
@@ -85,3 +94,35 @@ def test_values_that_round_into_the_next_power_of_two() -> None:
 def test_a_width_that_is_not_whole_groups_is_refused() -> None:
     with pytest.raises(ValueError, match="200 features are not a multiple of the group 128"):
         quantize_activation(torch.zeros(2, 200), BLOCK)
+
+
+def weight(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of very different magnitudes as a strided view of a wider buffer, with an all-zero 128x128 block (where
+    there is one), a row of negative zeros and a value that is its block's and its row's amax exactly at a tie."""
+    gen = torch.Generator().manual_seed(rows * cols)
+    buffer = torch.randn(rows, cols + 32, generator=gen) * torch.logspace(-6, 2, rows).unsqueeze(1)
+    if rows > BLOCK and cols > BLOCK:
+        buffer[:BLOCK, :BLOCK] = 0.0
+    buffer[-1] = -0.0
+    buffer[-2, 3] = 448.0
+    return buffer.to(dtype)[:, :cols]
+
+
+@interpreted
+@pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(200, 300), (6, 1500), (256, 128)])
+def test_weights_are_the_references_bits(method: str, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    scheme = Fp8Scheme(method)
+    w = weight(*shape, dtype)
+    q, scales = quantize_weight(w, scheme)
+    ref_q, ref_scales = scheme.quantize(w)
+    assert q.shape == ref_q.shape and q.stride() == ref_q.stride()
+    assert scales.shape == ref_scales.shape and scales.dtype == torch.float32
+    assert_same_bits((q, scales), (ref_q, ref_scales))
+
+
+@interpreted
+def test_a_weight_that_is_not_2d_is_refused() -> None:
+    with pytest.raises(ValueError, match="2-d weight"):
+        quantize_weight(torch.zeros(2, 3, 4), Fp8Scheme("fp8"))
