@@ -1,5 +1,6 @@
 """Where an FP8 projection's time goes on the GPU, against the bf16 GEMM it replaces: at each of Qwen3-8B's projection
-shapes and token counts, the median over --iters of (CUDA events, after a warm-up):
+shapes and token counts, the median over --iters of one call's GPU time (CUDA events around the replay of a CUDA graph
+of CALLS_PER_GRAPH calls, as a decode step replays them; after a warm-up):
 
   bf16            F.linear in bf16 (the bf16 engine's projection)
   quant torch     the activation quantization as PyTorch ops (rlserve.model.fp8.scaled_mm_activation)
@@ -29,16 +30,27 @@ from rlserve.model.fp8 import BLOCK, Fp8Scheme, fp8_linear, scaled_gemm, scaled_
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 
 
+# Calls captured per CUDA graph: a replay's time over this is one call's GPU time, without the host's launch cost
+# (what a decode step, which replays graphs, sees; an eager call of a small kernel measures mostly its launch).
+CALLS_PER_GRAPH = 10
+
+
 def median_ms(fn: Callable[[], object], iters: int) -> float:
-    fn()
+    fn()  # compiles Triton kernels and picks cuBLASLt's algorithms outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    graph.replay()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
     return statistics.median(times)
 
 
