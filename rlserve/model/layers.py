@@ -45,14 +45,22 @@ def fp8_activation_kernel(x: torch.Tensor) -> ActivationQuantizer | None:
     return quantize_activation
 
 
-def quantize_fp8_weight(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_weight(
+    weight: torch.Tensor, scheme: Fp8Scheme, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`scheme.quantize(weight)`, in one Triton launch where it runs (CUDA with Triton: the same bits,
-    rlserve.model.kernels.fp8_quant.quantize_weight), else the PyTorch reference."""
+    rlserve.model.kernels.fp8_quant.quantize_weight), else the PyTorch reference; written into `out` (q, scale) if
+    given (the kernel writes there directly: no temporary to copy)."""
     if not (weight.is_cuda and _HAS_TRITON):
-        return scheme.quantize(weight)
+        q, scale = scheme.quantize(weight)
+        if out is None:
+            return q, scale
+        out[0].copy_(q)
+        out[1].copy_(scale)
+        return out
     from rlserve.model.kernels.fp8_quant import quantize_weight
 
-    return quantize_weight(weight, scheme)
+    return quantize_weight(weight, scheme, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -202,6 +210,11 @@ class ShardSlice:
     start: int = 0
     length: int | None = None
     offset: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """This rank's part is the whole checkpoint tensor (replicated, or one rank)."""
+        return self.length is None or (self.start == 0 and self.length == self.full_shape[self.dim])
 
     def of_checkpoint(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.length is None else tensor.narrow(self.dim, self.start, self.length)

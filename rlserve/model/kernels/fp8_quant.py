@@ -155,15 +155,31 @@ def _quantize_weight_kernel(
 _CHANNEL_ROWS, _CHANNEL_CHUNK = 4, 1024
 
 
-def quantize_weight(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, scheme: Fp8Scheme, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`scheme.quantize(weight)` in one launch, the same bits: (q [out, in] float8_e4m3fn, scales fp32), block-wise
-    `weight_scale_inv` [ceil(out/128), ceil(in/128)], per-channel `weight_scale` [out, 1]."""
+    `weight_scale_inv` [ceil(out/128), ceil(in/128)], per-channel `weight_scale` [out, 1]; written into `out`
+    (q, scales: views with unit column strides, such as a model's parameters) if given."""
     if weight.dim() != 2:
         raise ValueError(f"fp8 weight quantization takes a 2-d weight, got shape {list(weight.shape)}")
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     rows, cols = weight.shape
-    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=weight.device)
-    scales = torch.empty(scheme.scale_shape(rows, cols), dtype=torch.float32, device=weight.device)
+    scale_shape = scheme.scale_shape(rows, cols)
+    if out is None:
+        q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=weight.device)
+        scales = torch.empty(scale_shape, dtype=torch.float32, device=weight.device)
+    else:
+        q, scales = out
+        wanted = (("q", q, (rows, cols), FP8_DTYPE), ("scales", scales, scale_shape, torch.float32))
+        for what, tensor, shape, dtype in wanted:
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device != weight.device:
+                raise ValueError(
+                    f"fp8 weight quantization: out {what} is {list(tensor.shape)} {tensor.dtype} on {tensor.device}, "
+                    f"the weight needs {list(shape)} {dtype} on {weight.device}"
+                )
+        if q.stride(-1) != 1:
+            raise ValueError(f"fp8 weight quantization: out q needs unit column stride, has strides {q.stride()}")
     if weight.numel() == 0:
         return q, scales
     if scheme.block_wise:

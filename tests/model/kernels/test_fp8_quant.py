@@ -126,3 +126,30 @@ def test_weights_are_the_references_bits(method: str, dtype: torch.dtype, shape:
 def test_a_weight_that_is_not_2d_is_refused() -> None:
     with pytest.raises(ValueError, match="2-d weight"):
         quantize_weight(torch.zeros(2, 3, 4), Fp8Scheme("fp8"))
+
+
+@interpreted
+@pytest.mark.parametrize("method", ["fp8", "fbgemm_fp8"])
+def test_weights_quantized_into_parameter_views_are_the_references_bits(method: str) -> None:
+    """Into rows of a larger fp8 parameter and its scales (block-wise: the padded storage the loader gives them), as a
+    weight update writes a fused projection's part; the rows around them are untouched."""
+    from rlserve.model.fp8 import weight_scale_storage
+
+    scheme = Fp8Scheme(method)
+    w = weight(256, 384, torch.bfloat16)
+    param = torch.full((512, 384), 7.0).to(FP8_DTYPE)
+    rows = 2 if scheme.block_wise else 256
+    scales = weight_scale_storage((4, 3), "cpu") if scheme.block_wise else torch.full((512, 1), 5.0)
+    out = (param[256:], scales[rows:])
+    quantize_weight(w, scheme, out)
+    ref_q, ref_scales = scheme.quantize(w)
+    assert torch.equal(out[1], ref_scales) and torch.equal(out[0].view(torch.uint8), ref_q.view(torch.uint8))
+    assert (param[:256].float() == 7.0).all() and (scales[:rows] == (0.0 if scheme.block_wise else 5.0)).all()
+
+
+@interpreted
+def test_a_wrong_output_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"out scales is \[3, 2\]"):
+        quantize_weight(
+            torch.ones(256, 256), Fp8Scheme("fp8"), (torch.empty(256, 256, dtype=FP8_DTYPE), torch.empty(3, 2))
+        )
