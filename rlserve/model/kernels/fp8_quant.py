@@ -16,8 +16,8 @@ them; the launch depends only on the input's shape, so a decode step that runs i
 `quantize_weight` is rlserve.model.fp8's `Fp8Scheme.quantize` in one pass over the weight (read once, fp8 and scales
 written once), with the same bits for the same reasons; the PyTorch form takes about ten passes and an fp32
 temporary of the weight's size, which made a full 8B update's FP8 load 7.4x bf16's copy on an H100 (2026-12-07).
-Block-wise one program per 128x128 block, per-channel one per few rows, looping over their columns twice (amax, then
-values: the second read comes from L2).
+Block-wise one program per 128x128 block, read once into registers; per-channel one per few rows, looping over
+their columns twice (amax, then values: the second read comes from L2) unless they fit in one chunk.
 """
 
 from __future__ import annotations
@@ -127,22 +127,32 @@ def _quantize_weight_kernel(
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     first_col = tl.program_id(1).to(tl.int64) * SPAN
     row_ok = row < rows
-    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for start in range(0, SPAN, BLOCK_C):
-        col = first_col + start + tl.arange(0, BLOCK_C)
+    if SPAN == BLOCK_C:  # the tile fits in registers (every block-wise tile): read it once
+        col = first_col + tl.arange(0, BLOCK_C)
         mask = row_ok[:, None] & (col < cols)[None, :]
-        x = tl.load(w_ptr + row[:, None] * stride_w + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        tile = tl.load(w_ptr + row[:, None] * stride_w + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(tile), axis=1)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for start in range(0, SPAN, BLOCK_C):
+            col = first_col + start + tl.arange(0, BLOCK_C)
+            mask = row_ok[:, None] & (col < cols)[None, :]
+            x = tl.load(w_ptr + row[:, None] * stride_w + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     if PER_BLOCK:
         amax = tl.zeros_like(amax) + tl.max(amax, axis=0)
     # The reference's order and IEEE divisions (div_rn; the quantize_activation kernel says why).
     scale = tl.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)
-    for start in range(0, SPAN, BLOCK_C):
-        col = first_col + start + tl.arange(0, BLOCK_C)
-        mask = row_ok[:, None] & (col < cols)[None, :]
-        x = tl.load(w_ptr + row[:, None] * stride_w + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    if SPAN == BLOCK_C:
+        q = tl.clamp(tl.div_rn(tile, scale[:, None]), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row[:, None] * stride_q + col[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:  # a second read per chunk, from L2 for a few rows' worth of columns
+        for start in range(0, SPAN, BLOCK_C):
+            col = first_col + start + tl.arange(0, BLOCK_C)
+            mask = row_ok[:, None] & (col < cols)[None, :]
+            x = tl.load(w_ptr + row[:, None] * stride_w + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(tl.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row[:, None] * stride_q + col[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     if PER_BLOCK:  # one lane writes the tile's scale
         lane = tl.arange(0, BLOCK_R)
         where = tl.program_id(0) * stride_scale_row + tl.program_id(1) * stride_scale_col + lane * 0
