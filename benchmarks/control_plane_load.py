@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from rlserve.engine.wire.process import free_port
+from rlserve.engine.wire.process import free_port, reserve_port
 
 API_KEY = "load-key"
 MODEL_NAME = "toy"
@@ -172,7 +172,10 @@ class Trainer:
     """One trainer process for one update."""
 
     def __init__(self, checkpoint: Path, send: int) -> None:
-        self.port = free_port()
+        # Held until the trainer's store is up: a port from free_port was once taken by another process's connection
+        # in between (EADDRINUSE under the parallel test suite).
+        self._reservation = reserve_port()
+        self.port = self._reservation.getsockname()[1]
         cmd = [sys.executable, __file__, "--trainer-worker", str(self.port), str(checkpoint), str(send)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -180,12 +183,15 @@ class Trainer:
         line = (await asyncio.to_thread(self.proc.stdout.readline)).strip()
         if line != word:
             raise RuntimeError(f"trainer said {line!r}, expected {word!r}")
+        if word == "joined":
+            self._reservation.close()
 
     def go(self) -> None:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
     def stop(self) -> None:
+        self._reservation.close()
         self.proc.kill()
         self.proc.wait()
 

@@ -20,6 +20,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a free port on `host` and not listening, with SO_REUSEADDR: while it stays open the kernel
+    gives that port to no other socket (an outgoing connection's local port included, which is how a port from
+    `free_port` gets taken before its listener starts), yet a listener that also sets SO_REUSEADDR (torch's TCPStore,
+    uvicorn) may bind it. Close it once the listener is up; the port is `getsockname()[1]`."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    return s
+
+
 def pid_alive(pid: int) -> bool:
     """For a process that did not start the one it watches (an API server's core, a rank's rank 0): the process
     exists and is not a zombie."""
