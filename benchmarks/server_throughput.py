@@ -8,7 +8,9 @@ Both sides get the same engine arguments and, per repetition, the same fresh ran
 cache of an earlier repetition cannot help). The server runs in its own process (`rlserve serve`); the clients are
 `--concurrency` httpx tasks spread over `--client-processes` processes, each sending one non-streaming (or
 `--stream`) /v1/completions at a time with token-id prompts, temperature 1.0, top-p 1.0, EOS ignored. Reported:
-output tokens/s per repetition, their median, and the server/offline ratio of medians. Flags of `rlserve serve` that
+output tokens/s per repetition, their median, and the server/offline ratio of medians; then, per server set-up,
+each role's CPU per output token and its busiest process's CPU share of the wall time (benchmarks/process_cpu.py):
+the API server and the engine core, to tell which of them bounds the server. Flags of `rlserve serve` that
 are not engine flags reach the server alone through `--server-arg=--flag=value` (repeatable), e.g.
 `--server-arg=--api-server-count=2`.
 
@@ -31,10 +33,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
+from process_cpu import ROLES, cpu_by_role, role_usage
 from w7_clients import send_all
 from workloads import w1_sampling, w7_prompts
 
@@ -105,6 +109,16 @@ def start_server(
     raise TimeoutError(f"server not healthy after {SERVER_START_TIMEOUT_S:g} s")
 
 
+@dataclass(frozen=True)
+class Repetition:
+    """One measured repetition: output tok/s, and per role (process_cpu.ROLES) the CPU microseconds spent per output
+    token by all its processes and the busiest one's share of the wall time (near 1.0: that process is the bound)."""
+
+    tok_s: float
+    us_per_token: dict[str, float]
+    busiest_share: dict[str, float]
+
+
 def _send_from_processes(url: str, prompts: list[list[int]], args: argparse.Namespace, model: str) -> float:
     """The prompts split over `--client-processes` client processes (benchmarks/w7_clients.py), released together
     once all are connected: one Python process cannot drive a thousand connections (httpx's pool scans every
@@ -152,8 +166,8 @@ def _send_from_processes(url: str, prompts: list[list[int]], args: argparse.Name
 
 def run_server(
     model_dir: str, args: argparse.Namespace, server_args: list[str], streams: list[bool], prompt_sets: list
-) -> dict[bool, list[float]]:
-    """One server with `server_args`, measured with each client mode in `streams`: {stream: rates}."""
+) -> dict[bool, list[Repetition]]:
+    """One server with `server_args`, measured with each client mode in `streams`: {stream: repetitions}."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="rlserve-w7-")) / "server.log"
     proc = start_server(model_dir, args, server_args, port, log)
@@ -167,8 +181,18 @@ def run_server(
             asyncio.run(send_all({**warm_up, "output_len": args.output_len}))
             rates[stream] = []
             for prompts in prompt_sets[1:]:
-                rates[stream].append(_send_from_processes(url, prompts, mode, model_dir))
-                progress(f"server {'stream ' if stream else ''}{' '.join(server_args)}: {rates[stream][-1]:.0f} tok/s")
+                before, t0 = cpu_by_role(proc.pid), time.monotonic()
+                tok_s = _send_from_processes(url, prompts, mode, model_dir)
+                usage, wall_s = role_usage(before, cpu_by_role(proc.pid)), time.monotonic() - t0
+                tokens = len(prompts) * args.output_len
+                rates[stream].append(
+                    Repetition(
+                        tok_s,
+                        {role: total * 1e6 / tokens for role, (total, _) in usage.items()},
+                        {role: busiest / wall_s for role, (_, busiest) in usage.items()},
+                    )
+                )
+                progress(f"server {'stream ' if stream else ''}{' '.join(server_args)}: {tok_s:.0f} tok/s")
         return rates
     finally:
         proc.terminate()
@@ -238,7 +262,7 @@ def main() -> int:
 
     variants = [_parse_variant(v) for v in args.variant] or [(args.stream, tuple(args.server_arg))]
     offline = run_offline(model_dir, args, prompt_sets)
-    server: dict[tuple[bool, tuple[str, ...]], list[float]] = {}
+    server: dict[tuple[bool, tuple[str, ...]], list[Repetition]] = {}
     for server_args in dict.fromkeys(flags for _, flags in variants):  # one server per set of flags, in order
         streams = [stream for stream, flags in variants if flags == server_args]
         for stream, rates in run_server(model_dir, args, list(server_args), streams, prompt_sets).items():
@@ -253,15 +277,26 @@ def main() -> int:
     )
     print(f"| {'mode':<52} | {'output tok/s per repetition':<28} | {'median tok/s':>12} | {'vs offline':>10} |")
     print(f"|{'-' * 54}|{'-' * 30}|{'-' * 14}|{'-' * 12}|")
-    rows = [("offline", offline)]
-    rows += [
-        (" ".join(["server", *(["stream"] if stream else []), *flags]), server[stream, flags])
-        for stream, flags in variants
-    ]
+    names = [" ".join(["server", *(["stream"] if stream else []), *flags]) for stream, flags in variants]
+    measured = list(zip(names, variants, strict=True))
+    rows = [("offline", offline)] + [(name, [r.tok_s for r in server[v]]) for name, v in measured]
     for name, rates in rows:
         reps = ", ".join(f"{r:.0f}" for r in rates)
         med = statistics.median(rates)
         print(f"| {name:<52} | {reps:<28} | {med:>12.0f} | {med / off_med:>10.3f} |")
+    print("\nThe server's processes in those repetitions (medians): CPU microseconds per output token of a role's")
+    print("processes, and its busiest process's CPU time over the wall time (near 1.0: that process is the bound)")
+    header = " | ".join(f"{role + ' us/token':>22} | {role + ' busiest':>20}" for role in ROLES)
+    print(f"| {'mode':<52} | {header} |")
+    print(f"|{'-' * 54}|" + "|".join(f"{'-' * 24}|{'-' * 22}" for _ in ROLES) + "|")
+    for name, v in measured:
+        reps = server[v]
+        cells = " | ".join(
+            f"{statistics.median(r.us_per_token[role] for r in reps):>22.1f} | "
+            f"{statistics.median(r.busiest_share[role] for r in reps):>20.2f}"
+            for role in ROLES
+        )
+        print(f"| {name:<52} | {cells} |")
     return 0
 
 

@@ -67,7 +67,7 @@ SMOKE = {
     "server_throughput.py": (
         ["--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--repeats", "1", "--client-processes", "1"]
         + ["--cpu-threads", "1"],
-        "| server",
+        "API server us/token",
     ),
     "w7_client_ceiling.py": (
         ["--num-prompts", "8", "--output-len", "4", "--repeats", "1", "--client-processes", "1"]
@@ -317,6 +317,42 @@ def test_weight_sync_ipc_phases_add_up_per_update(monkeypatch):
     phases = engine.take_phases()
     assert phases["map"] >= 0.04 and 0.03 <= phases["sync"] < 0.03 + 0.02 and phases["release"] < 0.01, phases
     assert engine.take_phases() == dict.fromkeys(PhaseTimedIPCEngine.PHASES, 0.0)
+
+
+def test_process_cpu_counts_each_role_of_a_process_tree(monkeypatch):
+    """server_throughput's per-role CPU (benchmarks/process_cpu.py) on a real tree: this process as the root (the
+    API server's place), a child of a multiprocessing fork server (the engine core's) that spins for a while, and the
+    fork server itself, a helper. The spinning child's CPU is the engine core's; the root's is the API server's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import multiprocessing
+
+    from process_cpu import cpu_by_role, role_usage
+
+    context = multiprocessing.get_context("forkserver")
+    child = context.Process(target=_spin, args=(0.3,))
+    before = cpu_by_role(os.getpid())
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while child.pid not in (tree := cpu_by_role(os.getpid())) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tree[child.pid].role == "engine core" and tree[os.getpid()].role == "API server", tree
+        assert {p.role for pid, p in tree.items() if pid not in (child.pid, os.getpid())} == {"helper"}, tree
+        while child.is_alive() and time.monotonic() < deadline:
+            after = cpu_by_role(os.getpid())  # the last reading while the child lives: a dead one is not read
+            time.sleep(0.02)
+    finally:
+        child.join(30)
+    usage = role_usage(before, after)
+    core_s, core_busiest_s = usage["engine core"]
+    assert core_s == core_busiest_s > 0.25, usage  # the spin, and the child's import of this module
+    assert usage["API server"][0] > 0, usage
+
+
+def _spin(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
 
 
 # A stand-in for vLLM 0.33.0's test_packed_tensor.py: vLLM's imports through rlserve's surface, and one test of each
