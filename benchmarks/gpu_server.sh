@@ -111,7 +111,7 @@ part startup_warm 60 "${STARTUP[@]}" --timeout 55 --log "$LOGS/startup_warm_serv
   done
   [ -f "$LOGS/w7_ceiling.log" ] && grep -h "^| non-streaming\|^| streaming" "$LOGS/w7_ceiling.log" | sed "s/^/w7_ceiling: /"
   for name in w7 w7_profile; do
-    [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server" "$LOGS/$name.log" | sed "s/^/$name: /"
+    [ -f "$LOGS/$name.log" ] && grep -h "^W7 server\|^| offline\|^| server\|^| mode .*us/token" "$LOGS/$name.log" | sed "s/^/$name: /"
   done
   [ -f "$LOGS/w4_ipc.log" ] && grep -h "ms per update" "$LOGS/w4_ipc.log" | sed "s/^/w4_ipc: /"
   for name in startup_cold startup_inproc startup_warm; do
