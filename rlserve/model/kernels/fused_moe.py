@@ -4,10 +4,11 @@
    of BLOCK_M, so a block of BLOCK_M sorted rows belongs to one expert (vLLM's moe_align_block_size). Done with torch
    ops on the device and sized by the worst case: no host sync, the same shapes for a given number of tokens, so a
    decode step is CUDA-graph capturable.
-2. `_expert_gemm_kernel`, gated: per block of sorted rows and block of the intermediate dimension, the gate and the
-   up projection of the block's expert (w13 [E, 2I, H]) in two accumulators, then SiLU(gate) * up, per (token, k).
-3. `_expert_gemm_kernel` again: per block of sorted rows, the block's expert's down projection (w2 [E, H, I]).
-4. `_combine_kernel`: each token's sum over k of weight * output, in fp32 and in top-k order.
+2. `expert_gemm` (`_expert_gemm_kernel`), gated: per block of sorted rows and block of the intermediate dimension,
+   the gate and the up projection of the block's expert (w13 [E, 2I, H]) in two accumulators, then SiLU(gate) * up,
+   per (token, k).
+3. `expert_gemm` again: per block of sorted rows, the block's expert's down projection (w2 [E, H, I]).
+4. `combine_pairs` (`_combine_kernel`): each token's sum over k of weight * output, in fp32 and in top-k order.
 
 No split over K anywhere: an output element's reduction order depends only on the tile shape, never on how many
 tokens there are or which expert block a row shares. In batch-invariant mode one tile shape serves every batch size,
@@ -85,14 +86,21 @@ def stage_bytes(cfg: TileConfig, element_size: int) -> int:
     return (cfg.block_m * cfg.block_k + 2 * cfg.block_k * cfg.block_n) * element_size
 
 
-def align_by_expert(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_pairs, block_experts, num_padded) for expert ids [T, K].
+@dataclass(frozen=True)
+class SortedRows:
+    """The (token, k) pairs sorted by expert (align_by_expert). sorted_pairs [max_rows] int32: the flat (token * K +
+    k) index of each sorted row, grouped by expert, each expert's run padded to a multiple of block_m with T * K (out
+    of range: masked). block_experts [max_rows // block_m]: the expert of each block of rows (garbage past
+    num_padded). num_padded [1]: the rows in use. num_pairs: T * K."""
 
-    sorted_pairs [max_rows] int32: the flat (token * K + k) index of each sorted row, grouped by expert, each expert's
-    run padded to a multiple of block_m with T * K (out of range: masked). block_experts [max_rows // block_m]: the
-    expert of each block of rows (garbage past num_padded). num_padded [1]: the rows in use. Device-only work."""
+    sorted_pairs: torch.Tensor
+    block_experts: torch.Tensor
+    num_padded: torch.Tensor
+    num_pairs: int
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedRows:
+    """The sorted rows of expert ids [T, K] for blocks of block_m rows. Device-only work."""
     num_pairs = ids.numel()
     flat = ids.flatten()
     device = ids.device
@@ -111,7 +119,7 @@ def align_by_expert(
     sorted_pairs[padded_starts[experts_sorted] + rank] = order.to(torch.int32)
     block_starts = torch.arange(0, max_rows, block_m, device=device)
     block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32)
+    return SortedRows(sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32), num_pairs)
 
 
 # The number of pairs changes every step: specialising on it (== 1, divisible by 16) would compile variants mid-run.
@@ -236,7 +244,27 @@ def fused_moe(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing weights [T, K] (fp32) and expert ids [T, K] -> [T, H].
     With `fp8`, w13 and w2 are float8_e4m3fn with those scales, and each GEMM's input is quantized dynamically (per
-    token, or per token and 128-group) by rlserve.model.kernels.fp8_quant."""
+    token, or per token and 128-group) by rlserve.model.kernels.fp8_quant. The four phases of the module doc, each
+    a function of its own (benchmarks/moe_layer_profile.py times them apart)."""
+    _check_operands(x, w13, w2, weights, ids, fp8)
+    if ids.shape[0] == 0:
+        return torch.empty_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cfg = moe_tiles(ids, w13, batch_invariant, fp8)
+    rows = align_by_expert(ids, w13.shape[0], cfg.block_m)
+    h = expert_gemm(x, w13, rows, cfg, ids.shape[1], gated=True, fp8=fp8)
+    y = expert_gemm(h, w2, rows, cfg, 1, gated=False, fp8=fp8)
+    return combine_pairs(y, weights)
+
+
+def _check_operands(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    fp8: ExpertScales | None,
+) -> None:
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     if x.dim() != 2 or x.shape[1] != hidden or w2.shape != (num_experts, hidden, inter):
@@ -254,39 +282,54 @@ def fused_moe(
         raise ValueError(f"fused_moe: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must be [T, K]")
     if fp8 is not None:
         fp8.check(w13, w2)
-    num_tokens, top_k = ids.shape
-    out = torch.empty_like(x)
-    if num_tokens == 0:
-        return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    num_pairs = num_tokens * top_k
-    cfg = tile_config(num_pairs, num_experts, batch_invariant, w13.element_size())
+
+
+def moe_tiles(ids: torch.Tensor, w13: torch.Tensor, batch_invariant: bool, fp8: ExpertScales | None) -> TileConfig:
+    """Both expert GEMMs' tile shape for expert ids [T, K] (tile_config), narrowed for 128x128-block FP8 weights."""
+    cfg = tile_config(ids.numel(), w13.shape[0], batch_invariant, w13.element_size())
     if fp8 is not None and fp8.block_wise:  # one K step per 128-group, a column block within one 128-row block
         cfg = replace(cfg, block_k=BLOCK, block_n=min(cfg.block_n, BLOCK))
-    sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts, cfg.block_m)
-    num_blocks = block_experts.shape[0]
-    precision, upcast = dot_precision(w13.dtype), dot_upcast(w13.dtype)
-    h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    y = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    w13_scale, w2_scale = (fp8.w13, fp8.w2) if fp8 is not None else (None, None)
-    for a, w, w_scale, out_rows, pairs_per_a_row, gated in (
-        (x, w13, w13_scale, h, top_k, True),
-        (h, w2, w2_scale, y, 1, False),
-    ):
-        n, k = out_rows.shape[1], a.shape[1]
-        if fp8 is not None:
-            a, a_scale = quantize_activation(a, BLOCK if fp8.block_wise else None)
-        else:
-            a_scale = w_scale = a  # unread
-        scales = NO_SCALES if fp8 is None else PER_BLOCK if fp8.block_wise else PER_ROW
-        scale_strides = (0,) * 5 if fp8 is None else (*a_scale.stride(), *_three_strides(w_scale))
-        _expert_gemm_kernel[(num_blocks, triton.cdiv(n, cfg.block_n))](
-            a, w, out_rows, sorted_pairs, block_experts, num_padded, a_scale, w_scale, num_pairs, n, k,
-            a.stride(0), w.stride(0), w.stride(1), out_rows.stride(0), *scale_strides,
-            PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, SCALES=scales, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+    return cfg
+
+
+def expert_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    rows: SortedRows,
+    cfg: TileConfig,
+    pairs_per_a_row: int,
+    gated: bool,
+    fp8: ExpertScales | None,
+) -> torch.Tensor:
+    """One grouped GEMM over the sorted (token, k) pairs -> [pairs, N]: gated (w13: SiLU(gate) * up, N = I) with `a`
+    = x [T, H] and one row per token (pairs_per_a_row = K), or the down projection (w2, N = H) with `a` the gated
+    output, one row per pair. With `fp8`, `a` is quantized first and the weight's scales applied."""
+    num_pairs = rows.num_pairs
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
+    w_scale = None if fp8 is None else fp8.w13 if gated else fp8.w2
+    if fp8 is not None:
+        a, a_scale = quantize_activation(a, BLOCK if fp8.block_wise else None)
+    else:
+        a_scale = w_scale = a  # unread
+    scales = NO_SCALES if fp8 is None else PER_BLOCK if fp8.block_wise else PER_ROW
+    scale_strides = (0,) * 5 if fp8 is None else (*a_scale.stride(), *_three_strides(w_scale))
+    precision, upcast = dot_precision(w.dtype), dot_upcast(w.dtype)
+    _expert_gemm_kernel[(rows.block_experts.shape[0], triton.cdiv(n, cfg.block_n))](
+        a, w, out, rows.sorted_pairs, rows.block_experts, rows.num_padded, a_scale, w_scale, num_pairs, n, a.shape[1],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scale_strides,
+        PAIRS_PER_A_ROW=pairs_per_a_row, GATED=gated, SCALES=scales, DOT_PRECISION=precision, DOT_UPCAST=upcast,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T * K, H] outputs of the pairs and routing weights [T, K] -> [T, H]: each token's weighted sum over k."""
+    num_tokens, top_k = weights.shape
+    hidden = y.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
     block = min(triton.next_power_of_2(hidden), 1024)
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, weights.float().contiguous(), out, hidden, TOP_K=top_k, BLOCK_N=block,

@@ -52,9 +52,10 @@ def problem(num_tokens: int, dtype: torch.dtype, seed: int = 0):
 def test_align_pads_each_expert_to_whole_blocks() -> None:
     ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 3]])
     block = 4
-    sorted_pairs, block_experts, num_padded = align_by_expert(ids, num_experts=5, block_m=block)
+    aligned = align_by_expert(ids, num_experts=5, block_m=block)
+    sorted_pairs, block_experts = aligned.sorted_pairs, aligned.block_experts
     # expert 0: pairs 1, 4; 1: 3; 2: 0, 2, 5, 6; 3: 7 -> one block each, padded with the sentinel 8.
-    assert int(num_padded) == 16
+    assert int(aligned.num_padded) == 16 and aligned.num_pairs == 8
     rows = sorted_pairs[:16].view(4, block).tolist()
     assert rows == [[1, 4, 8, 8], [3, 8, 8, 8], [0, 2, 5, 6], [7, 8, 8, 8]]
     assert block_experts[:4].tolist() == [0, 1, 2, 3]
