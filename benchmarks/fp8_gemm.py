@@ -1,6 +1,6 @@
 """Where an FP8 projection's time goes on the GPU, against the bf16 GEMM it replaces: at each of Qwen3-8B's projection
 shapes and token counts, the median over --iters of one call's GPU time (CUDA events around the replay of a CUDA graph
-of CALLS_PER_GRAPH calls, as a decode step replays them; after a warm-up):
+of several calls, as a decode step replays them; after a warm-up: benchmarks/gpu_timing.py):
 
   bf16            F.linear in bf16 (the bf16 engine's projection)
   quant torch     the activation quantization as PyTorch ops (rlserve.model.fp8.scaled_mm_activation)
@@ -18,40 +18,15 @@ for --method fp8 (BlockWise1x128 x BlockWise128x128) and fbgemm_fp8 (RowWise). A
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import median_ms
 
 from rlserve.model.fp8 import BLOCK, Fp8Scheme, fp8_linear, scaled_gemm, scaled_mm_activation, weight_scale_storage
 
 # Qwen3-8B's projections (out, in).
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-
-
-# Calls captured per CUDA graph: a replay's time over this is one call's GPU time, without the host's launch cost
-# (what a decode step, which replays graphs, sees; an eager call of a small kernel measures mostly its launch).
-CALLS_PER_GRAPH = 10
-
-
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    fn()  # compiles Triton kernels and picks cuBLASLt's algorithms outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
-    return statistics.median(times)
 
 
 def time_projection(

@@ -13,6 +13,8 @@
 # CUDA graphs, dense and MoE) and where a projection's time goes (fp8_gemm.py: bf16 GEMM, quantization, scaled GEMM)
 # are a third call:
 #     run(command="ONLY='fp8_tests fp8_gemm' bash benchmarks/gpu_fp8.sh", carry=[".whl"], timeout_s=600)
+# One MoE layer of the 30B shape by component against each one's floor, bf16 then fp8 (moe_layer_profile.py; issue
+# 32's per-component table, and where FP8's MoE time goes): ONLY=moe_profile (GPU only; SMOKE skips it).
 # Each part has its own time limit (a call's parts add up to under 600 s; a part cut off keeps what it wrote: the W1
 # parts write after every engine); ONLY="part ..." runs just those, SKIP="part ..." leaves parts out.
 # CPU smoke (tests/benchmarks/test_benchmark_scripts.py): SMOKE=1 runs the parts on tiny presets on the CPU.
@@ -54,6 +56,9 @@ w1() {  # w1 NAME LIMIT_S PRESET METHODS
 # shellcheck disable=SC2086  # TESTS is a list of files
 part fp8_tests 450 python3 -m pytest -q $TESTS -p no:cacheprovider
 part fp8_gemm 120 python3 benchmarks/fp8_gemm.py
+if [ "$DEVICE" = cuda ]; then
+  part moe_profile 200 python3 benchmarks/moe_layer_profile.py --quantization none fp8
+fi
 w1 w1_8b 190 "$PRESET_8B" "$METHODS_8B"
 w1 w1_30b 420 "$PRESET_30B" none,fp8
 part fp8_update 45 python3 benchmarks/fp8_update.py --device "$DEVICE" --preset "$PRESET_8B" --repeats "$REPEATS" \

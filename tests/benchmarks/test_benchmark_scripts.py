@@ -94,8 +94,14 @@ SLOW_SMOKE = {
     "dp_pause_latency.py",
     "async_updates.py",
 }
-# Triton kernels, CUDA streams, cuBLASLt's FP8 GEMMs
-GPU_ONLY = {"attention_kernels.py", "batch_invariant_profile.py", "receive_overlap.py", "fp8_gemm.py"}
+# Triton kernels, CUDA streams, cuBLASLt's FP8 GEMMs, the fused MoE phases under CUDA graphs
+GPU_ONLY = {
+    "attention_kernels.py",
+    "batch_invariant_profile.py",
+    "receive_overlap.py",
+    "fp8_gemm.py",
+    "moe_layer_profile.py",
+}
 # Run by another smoke: offline_generate.py, session_table.py and weight_sync.py (over gloo) by gpu_session.sh's,
 # fp8_table.py by gpu_fp8.sh's,
 # w7_clients.py by server_throughput.py's (its client processes); vllm_rl_tests.py (whose full run takes minutes) by
