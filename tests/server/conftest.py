@@ -9,6 +9,7 @@ cannot leave the shared server paused.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -36,22 +37,35 @@ def _start(model_dir: Path, log: Path, *args: str, api_key: str | None, env: dic
     cmd += ["--served-model-name", MODEL_NAME, "--log-level", "warning", *args]
     if api_key is not None:
         cmd += ["--api-key", api_key]
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RLSERVE_API_KEY", "RLSERVE_RL_API_KEY")}, **(env or {})}
+    unset = ("RLSERVE_API_KEY", "RLSERVE_RL_API_KEY")
+    environment = {**{k: v for k, v in os.environ.items() if k not in unset}, **(env or {})}
     # tests/ on the path: a server may load tests/worker_extension.py (--worker-extension-cls).
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), environment.get("PYTHONPATH")]))
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return Server(f"http://127.0.0.1:{port}", proc, log, headers)
+    again = log.with_name(f"{log.stem}-again{log.suffix}")
+    relaunch = functools.partial(_start, model_dir, again, *args, api_key=api_key, env=env)
+    return Server(f"http://127.0.0.1:{port}", proc, log, headers, relaunch)
+
+
+PORT_RETRIES = 3  # starts on a new port when another process took the one free_port gave
 
 
 def _wait_healthy(server: Server) -> None:
+    """Until /health answers 200; a server whose port was taken before it bound it (free_port's port is free only
+    when asked) is started again on another, up to PORT_RETRIES times."""
     deadline = time.monotonic() + START_TIMEOUT_S
+    retries = PORT_RETRIES
     # One client for every poll: httpx.get makes a client (and its TLS context, ~20 ms of CPU) per call, which
     # competed with the starting server for the cores.
     with httpx.Client(timeout=2.0) as http:
         while time.monotonic() < deadline:
             if server.proc.poll() is not None:
+                if retries and server.relaunch is not None and "Address already in use" in server.log_tail():
+                    retries -= 1
+                    server.take_over(server.relaunch())
+                    continue
                 raise RuntimeError(f"server exited with {server.proc.returncode}:\n{server.log_tail()}")
             try:
                 if http.get(server.url + "/health").status_code == 200:

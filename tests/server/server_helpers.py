@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,13 @@ class Server:
     proc: subprocess.Popen
     log: Path
     headers: dict[str, str] = field(default_factory=dict)
+    # The same command on a new port: the port came from free_port, and another process may bind it before the
+    # server does (conftest._wait_healthy starts it again then).
+    relaunch: Callable[[], Server] | None = None
+
+    def take_over(self, other: Server) -> None:
+        """Become `other` (its relaunch of this server), so that whoever holds this handle reaches the new one."""
+        self.url, self.proc, self.log, self.relaunch = other.url, other.proc, other.log, other.relaunch
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:]
@@ -130,4 +139,5 @@ def launch(
     log = tmp_path / f"serve-{port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**environment, **(env or {})})
-    return Server(f"http://127.0.0.1:{port}", proc, log, headers or {})
+    relaunch = functools.partial(launch, tmp_path, *argv, env=env, headers=headers)
+    return Server(f"http://127.0.0.1:{port}", proc, log, headers or {}, relaunch)
