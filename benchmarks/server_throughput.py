@@ -203,6 +203,23 @@ def run_server(
             proc.wait()
 
 
+def print_process_cpu(measured: list[tuple[str, tuple]], server: dict[tuple, list[Repetition]]) -> None:
+    """Per measured (name, variant): each role's CPU per output token and its busiest process's share, medians."""
+    print("\nThe server's processes in those repetitions (medians): CPU microseconds per output token of a role's")
+    print("processes, and its busiest process's CPU time over the wall time (near 1.0: that process is the bound)")
+    header = " | ".join(f"{role + ' us/token':>22} | {role + ' busiest':>20}" for role in ROLES)
+    print(f"| {'mode':<52} | {header} |")
+    print(f"|{'-' * 54}|" + "|".join(f"{'-' * 24}|{'-' * 22}" for _ in ROLES) + "|")
+    for name, v in measured:
+        reps = server[v]
+        cells = " | ".join(
+            f"{statistics.median(r.us_per_token[role] for r in reps):>22.1f} | "
+            f"{statistics.median(r.busiest_share[role] for r in reps):>20.2f}"
+            for role in ROLES
+        )
+        print(f"| {name:<52} | {cells} |")
+
+
 def _parse_variant(spec: str) -> tuple[bool, tuple[str, ...]]:
     words = spec.split()
     flags = tuple(w for w in words if w != "stream")
@@ -284,19 +301,7 @@ def main() -> int:
         reps = ", ".join(f"{r:.0f}" for r in rates)
         med = statistics.median(rates)
         print(f"| {name:<52} | {reps:<28} | {med:>12.0f} | {med / off_med:>10.3f} |")
-    print("\nThe server's processes in those repetitions (medians): CPU microseconds per output token of a role's")
-    print("processes, and its busiest process's CPU time over the wall time (near 1.0: that process is the bound)")
-    header = " | ".join(f"{role + ' us/token':>22} | {role + ' busiest':>20}" for role in ROLES)
-    print(f"| {'mode':<52} | {header} |")
-    print(f"|{'-' * 54}|" + "|".join(f"{'-' * 24}|{'-' * 22}" for _ in ROLES) + "|")
-    for name, v in measured:
-        reps = server[v]
-        cells = " | ".join(
-            f"{statistics.median(r.us_per_token[role] for r in reps):>22.1f} | "
-            f"{statistics.median(r.busiest_share[role] for r in reps):>20.2f}"
-            for role in ROLES
-        )
-        print(f"| {name:<52} | {cells} |")
+    print_process_cpu(measured, server)
     return 0
 
 

@@ -344,8 +344,11 @@ def test_process_cpu_counts_each_role_of_a_process_tree(monkeypatch):
             time.sleep(0.01)
         assert tree[child.pid].role == "engine core" and tree[os.getpid()].role == "API server", tree
         assert {p.role for pid, p in tree.items() if pid not in (child.pid, os.getpid())} == {"helper"}, tree
+        after = tree
         while child.is_alive() and time.monotonic() < deadline:
-            after = cpu_by_role(os.getpid())  # the last reading while the child lives: a dead one is not read
+            reading = cpu_by_role(os.getpid())
+            if child.pid in reading:  # the last reading with the child in it: an exited one is not read
+                after = reading
             time.sleep(0.02)
     finally:
         child.join(30)
