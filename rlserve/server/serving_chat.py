@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from rlserve.engine.frontend.llm import ValidatedPrompt, render_chat
@@ -28,6 +28,7 @@ from rlserve.server.openai_responses import (
     DeltaMessage,
     DeltaToolCall,
     UsageInfo,
+    now,
 )
 from rlserve.server.reasoning_parsers import (
     READS_SPECIAL_TOKENS,
@@ -45,7 +46,7 @@ from rlserve.server.response_fields import (
     routed_experts_field,
 )
 from rlserve.server.serving import SAMPLING_FIELDS, OpenAIServing, cancel_on_disconnect
-from rlserve.server.streaming import PositionLogprobsList, stream_events
+from rlserve.server.streaming import ChunkTemplate, PositionLogprobsList, SSEResponse, stream_events
 from rlserve.server.tool_parsers import StreamingToolCalls, parse_hermes
 
 
@@ -69,8 +70,10 @@ async def create_chat_completion(serving: OpenAIServing, req: ChatCompletionRequ
     if req.stream:
         outputs = serving.generate(request_id, prompts, raw, streaming=True)
         first_chunks = choices.first_chunks()
-        body = stream_events(outputs, params.n, req.include_usage, choices.chunk, choices.usage_chunk, first_chunks)
-        return StreamingResponse(body, media_type="text/event-stream")
+        body = stream_events(
+            outputs, params.n, params.n, req.include_usage, choices.chunk, choices.usage_chunk, first_chunks
+        )
+        return SSEResponse(body)
 
     finals = await cancel_on_disconnect(raw, serving.final_outputs(request_id, prompts, raw))
     if finals is None:
@@ -191,6 +194,10 @@ class _ChatChoices:
         # A streamed choice's parsers, which hold back what may be the start of a tag until the next chunk.
         self.reasoning_streams: dict[int, ReasoningStream] = {}
         self.tool_streams: dict[int, StreamingToolCalls] = {}
+        self.created = now()  # one time for every chunk of a stream, as OpenAI's
+        self.templates: dict[int, ChunkTemplate] = {}  # each choice's plain chunks
+        # Its chunks' deltas are the sample's text as it is (no parser holds part of it back).
+        self.text_deltas = reasoning is None and not parse_tools
 
     def _logprobs(self, s: CompletionOutput) -> ChatCompletionLogProbs | None:
         return None if s.logprobs is None or self.hidden else chat_logprobs(s, self.fmt, self.top_k)
@@ -208,8 +215,7 @@ class _ChatChoices:
         return chunks
 
     def _preamble(self, delta: DeltaMessage, index: int) -> BaseModel:
-        choice = ChatCompletionStreamChoice(index=index, delta=delta)
-        return ChatCompletionStreamResponse(id=self.response_id, model=self.model, choices=[choice])
+        return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta)])
 
     def chunk(
         self,
@@ -218,7 +224,13 @@ class _ChatChoices:
         s: CompletionOutput,
         first: bool,
         prompt_lps: PositionLogprobsList | None,
-    ) -> BaseModel:
+    ) -> BaseModel | bytes:
+        versions = self.weight_versions(index, s)
+        # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
+        top_level = prompt_logprobs(prompt_lps, self.fmt) if index == 0 else None
+        no_logprobs = s.logprobs is None or self.hidden
+        if self.text_deltas and top_level is None and s.finish_reason is None and no_logprobs:
+            return self._template(index).render(s.text, versions.get("token_weight_versions"), self._token_ids(s))
         delta, finish_reason = self._delta(index, s)
         choice = ChatCompletionStreamChoice(
             index=index,
@@ -226,14 +238,30 @@ class _ChatChoices:
             logprobs=self._logprobs(s),
             finish_reason=finish_reason,
             stop_reason=s.stop_reason,
-            **self.weight_versions(index, s),
+            **versions,
             routed_experts=routed_experts_field(s),
             token_ids=self._token_ids(s),
         )
-        # Chat has the prompt's logprobs at the top level: sent once, with the first choice's first chunk.
-        top_level = prompt_logprobs(prompt_lps, self.fmt) if index == 0 else None
+        return self._stream_chunk([choice], prompt_logprobs=top_level)
+
+    def _template(self, index: int) -> ChunkTemplate:
+        """Choice `index`'s chunks with nothing but content and, as asked, each token's version and id: not its
+        last, nor one with logprobs or the prompt's, nor any where a parser splits the text."""
+        template = self.templates.get(index)
+        if template is None:
+
+            def chunk(text: str, versions: list[str], token_ids: list[int]) -> BaseModel:
+                choice = ChatCompletionStreamChoice(
+                    index=index, delta=DeltaMessage(content=text), token_weight_versions=versions, token_ids=token_ids
+                )
+                return self._stream_chunk([choice])
+
+            template = self.templates[index] = ChunkTemplate(chunk, ("str", "strs", "ints"))
+        return template
+
+    def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], **fields: Any) -> BaseModel:
         return ChatCompletionStreamResponse(
-            id=self.response_id, model=self.model, choices=[choice], prompt_logprobs=top_level
+            id=self.response_id, created=self.created, model=self.model, choices=choices, **fields
         )
 
     def _delta(self, index: int, s: CompletionOutput) -> tuple[DeltaMessage, str | None]:
@@ -261,7 +289,7 @@ class _ChatChoices:
         return delta, finish_reason
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return ChatCompletionStreamResponse(id=self.response_id, model=self.model, choices=[], usage=usage)
+        return self._stream_chunk([], usage=usage)
 
     # ---- whole ----
 

@@ -3,8 +3,10 @@ as Server-Sent Events with one chunk per new token of a choice; with `echo`, eac
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from rlserve.engine.frontend.llm import PromptType
@@ -19,6 +21,7 @@ from rlserve.server.openai_responses import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     UsageInfo,
+    now,
 )
 from rlserve.server.response_fields import (
     TokenFormatter,
@@ -29,7 +32,7 @@ from rlserve.server.response_fields import (
     routed_experts_field,
 )
 from rlserve.server.serving import SAMPLING_FIELDS, OpenAIServing, cancel_on_disconnect
-from rlserve.server.streaming import PositionLogprobsList, stream_events
+from rlserve.server.streaming import ChunkTemplate, PositionLogprobsList, SSEResponse, stream_events
 
 
 async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw: Request) -> Response:
@@ -45,8 +48,9 @@ async def create_completion(serving: OpenAIServing, req: CompletionRequest, raw:
     choices = _CompletionChoices(serving, req, response_id, serving.model_for(lora), params.n)
     if req.stream:
         outputs = serving.generate(request_id, prompts, raw, streaming=True)
-        body = stream_events(outputs, params.n, req.include_usage, choices.chunk, choices.usage_chunk, [])
-        return StreamingResponse(body, media_type="text/event-stream")
+        num_choices = params.n * len(prompts)
+        body = stream_events(outputs, params.n, num_choices, req.include_usage, choices.chunk, choices.usage_chunk, [])
+        return SSEResponse(body)
 
     finals = await cancel_on_disconnect(raw, serving.final_outputs(request_id, prompts, raw))
     if finals is None:
@@ -84,6 +88,8 @@ class _CompletionChoices:
         self.echo = CompletionEcho(req.echo, req.max_tokens == 0, not req.return_token_ids, self.tokenizer.decode)
         # A streamed choice's text so far, where the offsets of its next chunk's logprobs start.
         self.text_offsets: dict[int, int] = {}
+        self.created = now()  # one time for every chunk of a stream, as OpenAI's
+        self.templates: dict[int, ChunkTemplate] = {}  # each choice's plain chunks
 
     def _decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -96,6 +102,7 @@ class _CompletionChoices:
         logprobs: CompletionLogProbs | None,
         prompt_lps: PositionLogprobsList | None,
         prompt_token_ids: list[int] | None,
+        versions: dict[str, Any],
     ) -> CompletionResponseChoice:
         return CompletionResponseChoice(
             index=index,
@@ -103,7 +110,7 @@ class _CompletionChoices:
             logprobs=logprobs,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
-            **self.weight_versions(index, sample),
+            **versions,
             routed_experts=routed_experts_field(sample),
             token_ids=sample.token_ids if self.req.return_token_ids else None,
             prompt_logprobs=prompt_logprobs(prompt_lps, self.fmt),
@@ -117,7 +124,12 @@ class _CompletionChoices:
         sample: CompletionOutput,
         first: bool,
         prompt_lps: PositionLogprobsList | None,
-    ) -> BaseModel:
+    ) -> BaseModel | bytes:
+        versions = self.weight_versions(index, sample)
+        plain = not (first and (self.echo.echo or prompt_lps is not None or self.req.return_token_ids))
+        if plain and sample.logprobs is None and sample.finish_reason is None:
+            token_ids = sample.token_ids if self.req.return_token_ids else None
+            return self._template(index).render(sample.text, versions.get("token_weight_versions"), token_ids)
         content = self.echo.content(out, sample, first, prompt_lps)
         logprobs = None
         if content.logprobs is not None:
@@ -126,11 +138,31 @@ class _CompletionChoices:
                 content.token_ids, content.logprobs, self.fmt, offset, self._decode
             )
         prompt_token_ids = out.prompt_token_ids if first and self.req.return_token_ids else None
-        choice = self._choice(index, sample, content.text, logprobs, prompt_lps, prompt_token_ids)
-        return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[choice])
+        choice = self._choice(index, sample, content.text, logprobs, prompt_lps, prompt_token_ids, versions)
+        return self._stream_chunk([choice])
+
+    def _template(self, index: int) -> ChunkTemplate:
+        """Choice `index`'s chunks with nothing but text and, as asked, each token's version and id: neither its
+        first with echo or the prompt's fields, nor its last, nor one with logprobs."""
+        template = self.templates.get(index)
+        if template is None:
+
+            def chunk(text: str, versions: list[str], token_ids: list[int]) -> BaseModel:
+                choice = CompletionResponseChoice(
+                    index=index, text=text, token_weight_versions=versions, token_ids=token_ids
+                )
+                return self._stream_chunk([choice])
+
+            template = self.templates[index] = ChunkTemplate(chunk, ("str", "strs", "ints"))
+        return template
+
+    def _stream_chunk(self, choices: list[CompletionResponseChoice], usage: UsageInfo | None = None) -> BaseModel:
+        return CompletionStreamResponse(
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     def usage_chunk(self, usage: UsageInfo) -> BaseModel:
-        return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[], usage=usage)
+        return self._stream_chunk([], usage)
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         usage = Usage()
@@ -144,7 +176,8 @@ class _CompletionChoices:
                     logprobs = completion_logprobs(content.token_ids, content.logprobs, self.fmt, 0, self._decode)[0]
                 prompt_token_ids = out.prompt_token_ids if self.req.return_token_ids else None
                 index = i * self.n + sample.index
+                versions = self.weight_versions(index, sample)
                 choices.append(
-                    self._choice(index, sample, content.text, logprobs, out.prompt_logprobs, prompt_token_ids)
+                    self._choice(index, sample, content.text, logprobs, out.prompt_logprobs, prompt_token_ids, versions)
                 )
         return CompletionResponse(id=self.response_id, model=self.model, choices=choices, usage=usage.info())

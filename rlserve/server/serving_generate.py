@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from rlserve.engine.frontend.llm import PromptType
@@ -30,7 +30,7 @@ from rlserve.server.response_fields import TokenFormatter, Usage, WeightVersions
 from rlserve.server.serving import SAMPLING_FIELDS, OpenAIServing, cancel_on_disconnect
 from rlserve.server.serving_chat import chat_field_names, chat_prompt
 from rlserve.server.serving_completions import completion_prompts
-from rlserve.server.streaming import PositionLogprobsList, stream_events
+from rlserve.server.streaming import PositionLogprobsList, SSEResponse, stream_events
 
 
 async def generate_tokens(serving: OpenAIServing, req: GenerateRequest, raw: Request) -> Response:
@@ -74,12 +74,13 @@ async def generate_tokens(serving: OpenAIServing, req: GenerateRequest, raw: Req
         body = stream_events(
             serving.generate(request_id, prompts, raw, streaming=True),
             params.n,
+            params.n,
             req.include_usage,
             chunk,
             usage_chunk,
             [],
         )
-        return StreamingResponse(body, media_type="text/event-stream")
+        return SSEResponse(body)
 
     finals = await cancel_on_disconnect(raw, serving.final_outputs(request_id, prompts, raw))
     if finals is None:

@@ -8,7 +8,7 @@ import math
 from rlserve.outputs import CompletionOutput, Logprob
 from rlserve.server.openai_responses import CompletionResponseChoice, CompletionStreamResponse
 from rlserve.server.response_fields import NEG_INF_LOGPROB, TokenFormatter, chat_logprobs, completion_logprobs
-from rlserve.server.streaming import _sse
+from rlserve.server.streaming import sse_event
 
 
 def sample_with_masked_tokens() -> CompletionOutput:
@@ -40,7 +40,7 @@ def test_an_sse_event_is_one_line_whatever_the_text() -> None:
     # them raw, and the event would arrive cut in two.
     text = "a\x85b\u2028c\u2029d\x1cé"
     chunk = CompletionStreamResponse(id="x", model="m", choices=[CompletionResponseChoice(index=0, text=text)])
-    event = _sse(chunk)
+    event = sse_event(chunk).decode()
     assert event.endswith("\n\n") and event.startswith("data: ")
     (line,) = event[:-2].splitlines()
     assert json.loads(line[len("data: ") :])["choices"][0]["text"] == text
