@@ -12,7 +12,8 @@ On CUDA, a batch that uses temperature only (no min-p, top-k, top-p, min_tokens 
 seeded request) and wants at most the chosen token's logprob goes to one fused Triton kernel
 (rlserve.model.kernels.fused_sampling) instead of the PyTorch passes below: the same distributions and the same
 logprob values and ranks, from one read of the logits in their own dtype (two with logprobs). Its random stream is
-keyed by a seed drawn from torch's CPU generator.
+keyed by a seed drawn from torch's CPU generator. In batch-invariant mode the kernel only chooses the token; the
+logprob values still come from the PyTorch passes, which the trainer-side forward reproduces bit for bit.
 """
 
 from __future__ import annotations
@@ -118,15 +119,34 @@ def fused_path_applies(meta: SamplingMetadata) -> bool:
     )
 
 
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The values random rows sample from: the logits divided by the temperature, then min-p, top-k and top-p;
+    greedy rows keep theirs (they report their unprocessed values)."""
+    if meta.all_greedy:
+        return logits
+    processed = apply_temperature(logits, meta.temperature)
+    if meta.min_p is not None:
+        processed = apply_min_p(processed, meta.min_p)
+    if meta.top_k is not None or meta.top_p is not None:
+        processed = apply_top_k_top_p(processed, meta.top_k, meta.top_p)
+    if not meta.all_random:
+        processed = torch.where(meta.greedy.unsqueeze(-1), logits, processed)
+    return processed
+
+
 class Sampler:
     def __init__(self, logprobs_mode: LogprobsMode, batch_invariant: bool = False) -> None:
         self.logprobs_mode = logprobs_mode
-        # Batch-invariant mode keeps the PyTorch passes: their logprobs are what the trainer-side forward computes.
-        self.use_fused = not batch_invariant
+        # Batch-invariant mode takes logprob values from the PyTorch passes, which the trainer-side forward computes
+        # too; the fused kernel's online log-sum-exp rounds differently.
+        self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if self.use_fused and logits.is_cuda and fused_path_applies(meta) and _fused_sample() is not None:
-            return self._sample_fused(logits, meta)
+        if logits.is_cuda and fused_path_applies(meta) and _fused_sample() is not None:
+            return self._sample_fused_tokens(logits, meta) if self.batch_invariant else self._sample_fused(logits, meta)
+        return self._sample_torch(logits, meta)
+
+    def _sample_torch(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw = logits
         if meta.min_tokens_mask or meta.adjustments is not None:
@@ -136,29 +156,38 @@ class Sampler:
         if meta.adjustments is not None:
             logits = apply_logits_adjustments(logits, meta.adjustments)
         greedy_tokens = None if meta.all_random else logits.argmax(-1)
-        processed = logits
+        processed = process_logits(logits, meta)
         if not meta.all_greedy:
-            processed = apply_temperature(logits, meta.temperature)
-            if meta.min_p is not None:
-                processed = apply_min_p(processed, meta.min_p)
-            if meta.top_k is not None or meta.top_p is not None:
-                processed = apply_top_k_top_p(processed, meta.top_k, meta.top_p)
-            if not meta.all_random:  # greedy rows report their unprocessed values
-                processed = torch.where(meta.greedy.unsqueeze(-1), logits, processed)
             random_tokens = self._sample_random(processed, meta.generators)
             token_ids = random_tokens if meta.all_random else torch.where(meta.greedy, greedy_tokens, random_tokens)
         else:
             token_ids = greedy_tokens
         logprobs = None
         if meta.max_num_logprobs >= 0:
-            values = {
-                "raw_logprobs": lambda: raw.log_softmax(-1),
-                "raw_logits": lambda: raw,
-                "processed_logprobs": lambda: processed.log_softmax(-1),
-                "processed_logits": lambda: processed,
-            }[self.logprobs_mode]()
+            values = self._mode_values(raw, lambda: processed)
             logprobs = gather_logprobs(values, meta.max_num_logprobs, token_ids)
         return SamplerOutput(token_ids, logprobs)
+
+    def _mode_values(self, raw: torch.Tensor, processed: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The values logprobs are taken of, in this sampler's mode (`processed` is asked for only by its modes)."""
+        if self.logprobs_mode.startswith("raw"):
+            values = raw
+        else:
+            values = processed()
+        return values.log_softmax(-1) if self.logprobs_mode.endswith("logprobs") else values
+
+    def _sample_fused_tokens(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Batch-invariant mode's fused path: the token from the fused kernel's one read of the logits (each row's
+        draw is its own, as in the exponential race), its logprob from the PyTorch passes below, bit for bit what
+        the trainer-side forward computes. The race's four passes over [N, V] floats were most of the sampler's
+        time in this mode."""
+        seed = int(torch.randint(2**31 - 1, ()))
+        token_ids, _, _ = _fused_sample()(logits, meta.temperature, meta.greedy, seed, meta.all_greedy, None)
+        if meta.max_num_logprobs < 0:
+            return SamplerOutput(token_ids, None)
+        raw = logits.float()
+        values = self._mode_values(raw, lambda: process_logits(raw, meta))
+        return SamplerOutput(token_ids, gather_logprobs(values, meta.max_num_logprobs, token_ids))
 
     def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # From the CPU generator: a draw on the device would need a sync to reach the kernel's arguments.

@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
     return str(make_model_dir(tmp_path_factory.mktemp("bi"), preset="small", seed=11))
 
 
-def run(llm: LLM, prompts, seeds, max_tokens: int = 40):
+def run(llm: LLM, prompts, seeds, max_tokens: int = 40):  # a seed of None: unseeded
     params = [
         SamplingParams(temperature=TEMPERATURE, seed=s, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
         for s in seeds
@@ -57,11 +57,22 @@ def test_batch_invariant_on_cuda(model_dir, lm_head_dtype) -> None:
     assert run(chunked, OTHERS[:6] + [TARGET], [*range(6), 7])[6] == alone
 
     if lm_head_dtype is None:  # the trainer-side forward computes the head in the model's dtype
-        trainer = load_training_model(model_dir, torch.bfloat16, "cuda", batch_invariant=True)
-        prompts, results = [TARGET, *OTHERS[:40]], [alone, *batch[:40]]
-        mine = trainer_logprobs(trainer, prompts, [t for t, _ in results], temperature=TEMPERATURE, processed=True)
-        for (_, engine_logprobs), values in zip(results, mine, strict=True):
-            assert engine_logprobs == values.tolist()
+        assert_trainer_agrees(model_dir, [TARGET, *OTHERS[:40]], [alone, *batch[:40]])
+
+
+def assert_trainer_agrees(model_dir: str, prompts: list[list[int]], results: list) -> None:
+    trainer = load_training_model(model_dir, torch.bfloat16, "cuda", batch_invariant=True)
+    mine = trainer_logprobs(trainer, prompts, [t for t, _ in results], temperature=TEMPERATURE, processed=True)
+    for (_, engine_logprobs), values in zip(results, mine, strict=True):
+        assert engine_logprobs == values.tolist()
+
+
+def test_unseeded_requests_logprobs_equal_the_trainers_on_cuda(model_dir) -> None:
+    """Unseeded temperature-only requests take their tokens from the fused sampling kernel
+    (Sampler._sample_fused_tokens); their logprobs still come from the PyTorch passes, the trainer's bit for bit."""
+    prompts = [TARGET, *OTHERS[:40]]
+    results = run(engine(model_dir), prompts, [None] * len(prompts))
+    assert_trainer_agrees(model_dir, prompts, results)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

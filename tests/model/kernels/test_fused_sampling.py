@@ -123,3 +123,30 @@ def test_sampler_output_matches_pytorch_path(max_num_logprobs):
         got, want = getattr(fused.logprobs, name), getattr(reference.logprobs, name)
         assert got.shape == want.shape and got.dtype == want.dtype, name
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def random_metadata(max_num_logprobs: int) -> SamplingMetadata:
+    return SamplingMetadata(
+        temperature=TEMPERATURE, greedy=GREEDY, top_k=None, top_p=None, min_p=None, generators=[None] * NUM_ROWS,
+        min_tokens_mask=[], max_num_logprobs=max_num_logprobs, all_greedy=False, all_random=False,
+    )  # fmt: skip
+
+
+@interpreted
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_invariant_fused_path_takes_the_kernels_tokens_and_the_pytorch_values(mode):
+    """Batch-invariant mode: the tokens the kernel draws for the seed, and logprob values bit for bit the PyTorch
+    passes' at those tokens (what the trainer-side forward computes), not the kernel's online log-sum-exp."""
+    logits = make_logits(torch.bfloat16)
+    sampler = Sampler(mode, batch_invariant=True)
+    torch.manual_seed(5)
+    out = sampler._sample_fused_tokens(logits, random_metadata(0))
+    torch.manual_seed(5)
+    seed = int(torch.randint(2**31 - 1, ()))
+    tokens = fused_sample(logits, TEMPERATURE, GREEDY, seed, False, None)[0]
+    assert torch.equal(out.token_ids, tokens)
+    expected = gather_logprobs(reference_values(logits, mode), 0, tokens)
+    assert torch.equal(out.logprobs.token_values, expected.token_values)
+    assert torch.equal(out.logprobs.token_ranks, expected.token_ranks)
+    assert out.logprobs.topk_ids.shape == (NUM_ROWS, 0)
+    assert sampler._sample_fused_tokens(logits, random_metadata(-1)).logprobs is None
