@@ -148,12 +148,14 @@ def _update_info(weights: dict[str, torch.Tensor], cmd: dict[str, Any]) -> dict[
 
 
 def _configs(backend: str, buffers: list[int], updates: int, num_buffers: list[int]) -> list[dict[str, Any]]:
-    if backend == "ipc":  # num_buffers has no meaning for ipc: one staging buffer
-        return [{"packed": False, "buffer": buffers[-1], "num_buffers": 1, "updates": updates}] + [
-            {"packed": True, "buffer": b, "num_buffers": 1, "updates": updates} for b in buffers
+    if backend == "ipc":  # num_buffers has no meaning for ipc: one staging buffer, per update or kept (`keep`)
+        return [{"packed": False, "buffer": buffers[-1], "num_buffers": 1, "updates": updates, "keep": False}] + [
+            {"packed": True, "buffer": b, "num_buffers": 1, "updates": updates, "keep": keep}
+            for keep in (False, True)
+            for b in buffers
         ]
     return [
-        {"packed": packed, "buffer": b, "num_buffers": n, "updates": updates}
+        {"packed": packed, "buffer": b, "num_buffers": n, "updates": updates, "keep": False}
         for packed in (False, True)
         for b in buffers
         for n in num_buffers
@@ -308,7 +310,7 @@ class EngineSide:
             raise AssertionError(f"{cmd}: {len(bad)} tensors differ after the updates, e.g. {bad[:3]}")
         return Row(
             backend=self.backend,
-            mode="packed" if cmd["packed"] else "unpacked",
+            mode=("packed, kept" if cmd["keep"] else "packed") if cmd["packed"] else "unpacked",
             buffer_mib=cmd["buffer"] / MIB if cmd["packed"] or self.backend != "ipc" else None,
             num_buffers=cmd["num_buffers"] if self.backend != "ipc" else None,
             seconds=seconds,

@@ -25,6 +25,7 @@ from weight_sync_shared import (
 )
 
 from rlserve.weight_transfer import (
+    IPCStagingBuffer,
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
@@ -80,11 +81,13 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
             request_reply(conn, {"update_info": info})
             round_trips[-1] += time.perf_counter() - sent
 
+        # `keep`: one staging buffer for all of the configuration's updates, exported (and mapped) once.
+        staging = IPCStagingBuffer(cmd["buffer"]) if cmd["keep"] else None
         for _ in range(cmd["updates"]):
             if spec["backend"] == "ipc":
                 round_trips.append(0.0)
                 args = IPCTrainerSendWeightsArgs(
-                    send_mode=send, packed=cmd["packed"], packed_buffer_size_bytes=cmd["buffer"]
+                    send_mode=send, packed=cmd["packed"], packed_buffer_size_bytes=cmd["buffer"], staging=staging
                 )
                 t0 = time.perf_counter()
                 IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), args)
@@ -101,7 +104,9 @@ def _trainer(conn: Connection, spec: dict[str, Any]) -> None:
             synchronize(device)
             times.append(time.perf_counter() - t0)
             memory.after_update()
-        send_message(conn, {"done": True, "times": times, "round_trips": round_trips, "memory": memory.report()})
+        report = memory.report()  # with a kept buffer, after its last update, in use as in every update before
+        del staging
+        send_message(conn, {"done": True, "times": times, "round_trips": round_trips, "memory": report})
     if group is not None:
         group.shutdown()
 

@@ -16,6 +16,7 @@ from rlserve.engine.wire.process import free_port
 from rlserve.rl.client import AsyncRLServeClient
 from rlserve.rl.engine_server import EngineServer
 from rlserve.weight_transfer import (
+    IPCStagingBuffer,
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
     NCCLTrainerSendWeightsArgs,
@@ -42,13 +43,15 @@ class WeightSync:
 
     `nccl`: the trainer (rank 0) and the engine's worker (rank 1) form a group once (`connect`); every update is one
     packed broadcast (gloo for CPU tensors), received by the engine while its `update_weights` call is pending.
-    `ipc`: nothing to connect; the trainer exports CUDA handles and posts them as the update itself.
+    `ipc`: nothing to connect; the trainer posts the CUDA handle of its staging buffer as the update itself, over
+    the control client's connection. The buffer is kept across updates, so it is exported and mapped once.
     """
 
     def __init__(self, engine: EngineServer, control: AsyncRLServeClient) -> None:
         self.engine = engine
         self.control = control
         self._group: WeightTransferGroup | None = None
+        self._staging = IPCStagingBuffer(PACKED_BUFFER_SIZE_BYTES)  # allocated on the first ipc update
 
     async def connect(self) -> None:
         if self.engine.backend == "ipc":
@@ -84,10 +87,12 @@ class WeightSync:
 
     async def _transfer(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.engine.backend == "ipc":
-            args = IPCTrainerSendWeightsArgs(
-                send_mode="http", url=self.engine.base_url, api_key=self.engine.api_key, packed=True,
-                packed_buffer_size_bytes=PACKED_BUFFER_SIZE_BYTES,
-            )  # fmt: skip
+            loop = asyncio.get_running_loop()
+
+            def post(update_info: dict[str, Any]) -> None:  # on the sending thread, through this loop's client
+                asyncio.run_coroutine_threadsafe(self.control.update_weights(update_info), loop).result()
+
+            args = IPCTrainerSendWeightsArgs(send_mode=post, packed=True, staging=self._staging)
             await asyncio.to_thread(IPCWeightTransferEngine.trainer_send_weights, iter(weights), args)
             return
         if self._group is None:

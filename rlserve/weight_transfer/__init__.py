@@ -19,6 +19,7 @@ from rlserve.weight_transfer.base import (
 from rlserve.weight_transfer.checksum import compare_checksums, tensor_sha256, weight_checksums
 from rlserve.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 from rlserve.weight_transfer.ipc import (
+    IPCStagingBuffer,
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
     IPCWeightTransferInitInfo,
@@ -35,6 +36,7 @@ from rlserve.weight_transfer.packed import plan_buckets
 
 __all__ = [
     "TRAINER_LOST",
+    "IPCStagingBuffer",
     "IPCTrainerSendWeightsArgs",
     "IPCWeightTransferEngine",
     "IPCWeightTransferInitInfo",

@@ -10,7 +10,10 @@ the dicts of all its ranks and every engine worker picks its own GPU's entry.
 CUDA IPC bookkeeping: every export must be mapped and released exactly once by the receiver, or the trainer's
 memory stays pinned in torch's IPC limbo. Packed transfers export one buffer per sync; the engine maps it on the
 first chunk and releases it after the last one (`is_last_chunk`), when a different buffer arrives, or at shutdown.
-vLLM mapped it per chunk and leaked one buffer per sync (#51258).
+vLLM mapped it per chunk and leaked one buffer per sync (#51258). A trainer that keeps its staging buffer across
+syncs (`IPCStagingBuffer`) exports it once and marks its chunks `keep_mapped`: the engine then keeps the one mapping
+for every later sync from that buffer (opening and closing a CUDA IPC mapping, and the export, cost milliseconds
+per sync) and releases it when a different buffer arrives, a chunk comes without `keep_mapped`, or at shutdown.
 """
 
 from __future__ import annotations
@@ -175,17 +178,42 @@ def export_tensor(tensor: torch.Tensor) -> dict[str, list[Any]]:
 SendFn = Callable[[dict[str, Any]], Any]
 
 
+class IPCStagingBuffer:
+    """A packed staging buffer of `size_bytes`, allocated on the first tensor's device and exported then, once. Kept
+    by a trainer and passed as `IPCTrainerSendWeightsArgs(staging=...)` on every sync, it is exported and mapped once
+    for all of them: the engine keeps the mapping between syncs (so this buffer's memory stays mapped until a sync
+    comes from another buffer, or without `staging`, or the engine shuts down: keep it alive that long)."""
+
+    def __init__(self, size_bytes: int) -> None:
+        if size_bytes < 1:
+            raise ValueError(f"the staging buffer's size must be >= 1 byte, got {size_bytes}")
+        self.nbytes = size_bytes
+        self.buffer: torch.Tensor | None = None
+        self.handle: dict[str, list[Any]] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The buffer, on `device`: allocated and exported on the first call, which an empty update never makes."""
+        if self.buffer is None:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            self.handle = export_tensor(self.buffer)
+        elif self.buffer.device != device:
+            raise ValueError(f"the staging buffer is on {self.buffer.device}, but a tensor to send is on {device}")
+        return self.buffer
+
+
 @dataclass(frozen=True)
 class IPCTrainerSendWeightsArgs:
     """`send_mode` delivers one update_info dict to the engine and returns once it has been loaded: a callable (an
     in-process `llm.update_weights(...)`, a pipe, a Ray call) or `"http"`, which POSTs `{"update_info": ...}` to
-    `{url}/update_weights` (with `api_key` as a bearer token, if given)."""
+    `{url}/update_weights` (with `api_key` as a bearer token, if given). `staging` (packed only): a buffer kept across
+    syncs, used instead of one allocated and exported per sync; its size is the chunks' limit."""
 
     send_mode: SendFn | str
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     url: str | None = None
     api_key: str | None = None
+    staging: IPCStagingBuffer | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.send_mode, str):
@@ -197,6 +225,16 @@ class IPCTrainerSendWeightsArgs:
             raise ValueError(f"send_mode must be a callable or 'http', got {self.send_mode!r}")
         if self.packed_buffer_size_bytes < 1:
             raise ValueError(f"packed_buffer_size_bytes must be >= 1, got {self.packed_buffer_size_bytes}")
+        if self.staging is not None:
+            if not isinstance(self.staging, IPCStagingBuffer):
+                raise ValueError(f"`staging` must be an IPCStagingBuffer, got {type(self.staging).__name__}")
+            if not self.packed:
+                raise ValueError("`staging` is a packed staging buffer: it needs packed=True")
+            if self.packed_buffer_size_bytes not in (DEFAULT_PACKED_BUFFER_SIZE_BYTES, self.staging.nbytes):
+                raise ValueError(
+                    f"packed_buffer_size_bytes ({self.packed_buffer_size_bytes}) differs from the staging buffer's "
+                    f"size ({self.staging.nbytes}): the staging buffer's size is the limit; leave it out"
+                )
 
 
 @contextlib.contextmanager
@@ -232,36 +270,36 @@ def _send_unpacked(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn) -
     send({"names": names, "dtype_names": dtype_names, "shapes": shapes, "ipc_handles": handles})
 
 
-def _send_packed(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, buffer_size: int) -> None:
-    """Copy tensors into one staging buffer of exactly `buffer_size` bytes and send a chunk whenever the next tensor
-    would not fit (a chunk never exceeds the buffer). The buffer is exported once for the whole sync."""
-    buffer: torch.Tensor | None = None
-    handle: dict[str, list[Any]] = {}
+def _send_packed(
+    iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, staging: IPCStagingBuffer, keep_mapped: bool
+) -> None:
+    """Copy tensors into the staging buffer and send a chunk whenever the next tensor would not fit (a chunk never
+    exceeds the buffer). The buffer is exported once: for this sync, or, `keep_mapped`, for every sync from it."""
     chunk: dict[str, list[Any]] = {"names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []}
     pending: list[torch.Tensor] = []  # the chunk's tensors as bytes, packed by one cat at flush (not 310 copies)
     used = 0
 
     def flush(is_last: bool) -> None:
         if pending:
-            torch.cat(pending, out=buffer[:used])
+            torch.cat(pending, out=staging.buffer[:used])
             pending.clear()
         torch.cuda.synchronize()  # the copies into the buffer must be complete before the engine reads it
-        send({**chunk, "ipc_handles": handle, "packed": True, "is_last_chunk": is_last})
+        send(
+            {**chunk, "ipc_handles": staging.handle, "packed": True, "is_last_chunk": is_last}
+            | ({"keep_mapped": True} if keep_mapped else {})
+        )
         for values in chunk.values():
             values.clear()
 
     for name, tensor in iterator:
         size = tensor.nbytes
-        if size > buffer_size:
+        if size > staging.nbytes:
             raise ValueError(
-                f"{name!r} has {size} bytes, more than the packed buffer ({buffer_size} bytes): raise "
+                f"{name!r} has {size} bytes, more than the packed buffer ({staging.nbytes} bytes): raise "
                 "packed_buffer_size_bytes"
             )
-        if buffer is None:
-            # Allocated and exported on the first tensor, so an empty update exports nothing nobody would release.
-            buffer = torch.empty(buffer_size, dtype=torch.uint8, device=tensor.device)
-            handle = export_tensor(buffer)
-        if used + size > buffer_size:
+        staging.on(tensor.device)
+        if used + size > staging.nbytes:
             flush(is_last=False)  # send() returns after the engine loaded the chunk, so the buffer is free again
             used = 0
         pending.append(as_bytes(tensor))
@@ -270,7 +308,7 @@ def _send_packed(iterator: Iterator[tuple[str, torch.Tensor]], send: SendFn, buf
         chunk["dtype_names"].append(dtype_name(tensor.dtype))
         chunk["shapes"].append(list(tensor.shape))
         chunk["tensor_sizes"].append(size)
-    if buffer is not None:
+    if chunk["names"]:  # an empty update sends nothing
         flush(is_last=True)
 
 
@@ -289,13 +327,15 @@ class IPCWeightTransferInitInfo(WeightTransferInitInfo):
 class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """Unpacked: `ipc_handles` is one `{gpu_uuid: encoded args}` per tensor. Packed: one such dict for the staging
     buffer, `tensor_sizes` gives each tensor's bytes (laid out back to back), and `is_last_chunk` is False on every
-    chunk of a sync but the last."""
+    chunk of a sync but the last. `keep_mapped` (rlserve's, packed only): the buffer is the trainer's for every sync
+    (IPCStagingBuffer), so the engine keeps it mapped after the last chunk."""
 
     ipc_handles: list[dict[str, Any]] | dict[str, Any] | None = None
     packed: bool = False
     tensor_sizes: list[int] | None = None
     ipc_handles_pickled: str | None = None
     is_last_chunk: bool = True
+    keep_mapped: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -310,6 +350,10 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         # A single dict is a packed chunk's buffer; vLLM G3 trainers say `packed` in their config, not here.
         self.packed = self.packed or isinstance(self.ipc_handles, dict)
         count = len(self.names)
+        if type(self.keep_mapped) is not bool:
+            raise ValueError(f"`keep_mapped` must be a bool, got {self.keep_mapped!r}")
+        if self.keep_mapped and not self.packed:
+            raise ValueError("`keep_mapped` needs a packed update: only a staging buffer stays mapped")
         if self.packed:
             if not isinstance(self.ipc_handles, dict):
                 raise ValueError("packed `ipc_handles` is one {gpu_uuid: handle} dict for the buffer")
@@ -393,7 +437,7 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         # The trainer overwrites the staging buffer (or frees its tensors) once this returns: every read of the
         # shared memory, including the loader's copies, must be complete first.
         torch.cuda.synchronize(index)
-        if update_info.packed and update_info.is_last_chunk:
+        if update_info.packed and update_info.is_last_chunk and not update_info.keep_mapped:
             self._release()
 
     def _map_buffer(self, handle: dict[str, Any], index: int, required: bool) -> torch.Tensor | None:
@@ -454,7 +498,12 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         try:
             with _sender(args) as send:
                 if args.packed:
-                    _send_packed(iterator, send, args.packed_buffer_size_bytes)
+                    # Without a kept buffer, one for this sync alone, freed when _send_packed returns (so that
+                    # ipc_collect below can free it once the engine has released it).
+                    staging = args.staging or IPCStagingBuffer(args.packed_buffer_size_bytes)
+                    keep_mapped = args.staging is not None
+                    _send_packed(iterator, send, staging, keep_mapped)
+                    del staging
                 else:
                     _send_unpacked(iterator, send)
         finally:

@@ -11,6 +11,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from rlserve.config import WeightTransferConfig
 from rlserve.sampling_params import SamplingParams
 from rlserve.weight_transfer import (
+    IPCStagingBuffer,
+    IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
     NCCLWeightTransferEngine,
     NCCLWeightTransferInitInfo,
@@ -237,6 +239,29 @@ def test_ipc_update_info_validation() -> None:
         engine.parse_update_info(_meta(ipc_handles=handle, tensor_sizes=[12, 8]))
     with pytest.raises(ValueError, match="not allowed"):
         engine.parse_update_info(_meta(ipc_handles=[handle, {"GPU-uuid": ["os.system", *handle["GPU-uuid"][1:]]}]))
+    kept = engine.parse_update_info(_meta(ipc_handles=handle, tensor_sizes=sizes, keep_mapped=True))
+    assert kept.keep_mapped and not packed.keep_mapped
+    with pytest.raises(ValueError, match="`keep_mapped` needs a packed update"):
+        engine.parse_update_info(_meta(ipc_handles=[handle, handle], keep_mapped=True))
+    with pytest.raises(ValueError, match="`keep_mapped` must be a bool"):
+        engine.parse_update_info(_meta(ipc_handles=handle, tensor_sizes=sizes, keep_mapped="yes"))
+
+
+def test_ipc_staging_buffer_arguments_are_checked() -> None:
+    staging = IPCStagingBuffer(1024)
+    assert staging.buffer is None  # allocated (and exported) on the first tensor sent, on its device
+    kept = IPCTrainerSendWeightsArgs(send_mode=lambda info: None, packed=True, staging=staging)
+    assert kept.staging is staging
+    with pytest.raises(ValueError, match="needs packed=True"):
+        IPCTrainerSendWeightsArgs(send_mode=lambda info: None, staging=staging)
+    with pytest.raises(ValueError, match="differs from the staging buffer's size"):
+        IPCTrainerSendWeightsArgs(
+            send_mode=lambda info: None, packed=True, packed_buffer_size_bytes=512, staging=staging
+        )
+    with pytest.raises(ValueError, match="must be an IPCStagingBuffer"):
+        IPCTrainerSendWeightsArgs(send_mode=lambda info: None, packed=True, staging=1024)
+    with pytest.raises(ValueError, match=">= 1 byte"):
+        IPCStagingBuffer(0)
 
 
 def test_ipc_engine_needs_cuda() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from rlserve.config import WeightTransferConfig
 from rlserve.weight_transfer import (
+    IPCStagingBuffer,
     IPCTrainerSendWeightsArgs,
     IPCWeightTransferEngine,
     compare_checksums,
@@ -39,7 +40,7 @@ def _weights(seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=gen).to(dtype).to(device) for name, (shape, dtype) in shapes.items()}
 
 
-def _trainer(conn: Connection, packed: bool, buffer_bytes: int) -> None:
+def _trainer(conn: Connection, packed: bool, buffer_bytes: int, keep: bool) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
 
@@ -49,7 +50,10 @@ def _trainer(conn: Connection, packed: bool, buffer_bytes: int) -> None:
         if reply != b"ok":
             raise RuntimeError(f"engine refused the update: {reply.decode()}")
 
-    args = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed, packed_buffer_size_bytes=buffer_bytes)
+    staging = IPCStagingBuffer(buffer_bytes) if keep else None  # one export for every sync
+    args = IPCTrainerSendWeightsArgs(
+        send_mode=send, packed=packed, packed_buffer_size_bytes=buffer_bytes, staging=staging
+    )
     allocated = []
     for sync in range(SYNCS):
         weights = _weights(sync + 1, device)
@@ -60,12 +64,15 @@ def _trainer(conn: Connection, packed: bool, buffer_bytes: int) -> None:
     conn.send_bytes(json.dumps({"done": True, "allocated": allocated}).encode())
 
 
-@pytest.mark.parametrize(("packed", "buffer_bytes"), [(False, 1 << 20), (True, 40_000), (True, 1 << 20)])
-def test_ipc_transfer_on_one_gpu(packed: bool, buffer_bytes: int) -> None:
+@pytest.mark.parametrize(
+    ("packed", "buffer_bytes", "keep"),
+    [(False, 1 << 20, False), (True, 40_000, False), (True, 1 << 20, False), (True, 40_000, True)],
+)
+def test_ipc_transfer_on_one_gpu(packed: bool, buffer_bytes: int, keep: bool) -> None:
     device = torch.device("cuda", 0)
     ctx = multiprocessing.get_context("spawn")
     engine_end, trainer_end = ctx.Pipe()
-    trainer = ctx.Process(target=_trainer, args=(trainer_end, packed, buffer_bytes), daemon=True)
+    trainer = ctx.Process(target=_trainer, args=(trainer_end, packed, buffer_bytes, keep), daemon=True)
     trainer.start()
     engine = IPCWeightTransferEngine(WeightTransferConfig("ipc"), device)
     engine.init_transfer_engine(engine.parse_init_info({}))
@@ -76,7 +83,7 @@ def test_ipc_transfer_on_one_gpu(packed: bool, buffer_bytes: int) -> None:
             target[name].copy_(tensor)
 
     try:
-        sync, chunks = 0, 0
+        sync, chunks, mappings = 0, 0, set()
         while True:
             assert engine_end.poll(TIMEOUT_S), "trainer went silent"
             message = json.loads(engine_end.recv_bytes())
@@ -91,12 +98,16 @@ def test_ipc_transfer_on_one_gpu(packed: bool, buffer_bytes: int) -> None:
                 raise
             chunks += 1
             if info.is_last_chunk:
-                assert engine._mapping is None  # the sync's buffer was released with its last chunk
+                if keep:  # the kept buffer stays mapped: one mapping for every sync
+                    mappings.add(id(engine._mapping.buffer))
+                else:
+                    assert engine._mapping is None  # the sync's buffer was released with its last chunk
                 sync += 1
                 want = weight_checksums(_weights(sync, device).items())
                 assert compare_checksums(want, weight_checksums(target.items()))["match"], f"sync {sync}"
             engine_end.send_bytes(b"ok")
         assert sync == SYNCS
+        assert len(mappings) == (1 if keep else 0)
         if packed and buffer_bytes < 100_000:
             assert chunks >= 2 * SYNCS  # the small buffer forced several chunks per sync
         allocated = message["allocated"]
