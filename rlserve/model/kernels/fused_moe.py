@@ -1,8 +1,8 @@
 """The fused MoE experts on CUDA: tokens sorted by expert, two grouped GEMMs over the stacked experts, a combine.
 
 1. `align_by_expert`: every (token, k) pair goes to its expert's run of rows; each expert's run is padded to a multiple
-   of BLOCK_M, so a block of BLOCK_M sorted rows belongs to one expert (vLLM's moe_align_block_size). Done with torch
-   ops on the device and sized by the worst case: no host sync, the same shapes for a given number of tokens, so a
+   of BLOCK_M, so a block of BLOCK_M sorted rows belongs to one expert (vLLM's moe_align_block_size). Three small
+   kernels on the device, sized by the worst case: no host sync, the same shapes for a given number of tokens, so a
    decode step is CUDA-graph capturable.
 2. `expert_gemm` (`_expert_gemm_kernel`), gated: per block of sorted rows and block of the intermediate dimension,
    the gate and the up projection of the block's expert (w13 [E, 2I, H]) in two accumulators, then SiLU(gate) * up,
@@ -99,27 +99,116 @@ class SortedRows:
     num_pairs: int
 
 
+# Pairs per program of the counting and scattering kernels: a chunk's ranks come from a CHUNK x CHUNK comparison.
+_ALIGN_CHUNK = 128
+# Rows of a [rows, experts] tile, and entries of a fill, per step of the offsets kernel's loops.
+_ALIGN_ROWS = 32
+_ALIGN_FILL = 1024
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> SortedRows:
-    """The sorted rows of expert ids [T, K] for blocks of block_m rows. Device-only work."""
+    """The sorted rows of expert ids [T, K] for blocks of block_m rows, in three kernels on the device (each chunk of
+    pairs counted per expert; each expert's padded run and each chunk's first row in it; each pair written to its
+    row), in place of the thirty-odd small torch ops of a sort: a MoE layer's decode step launches this 48 times.
+    Within an expert the pairs keep their flat order, as a stable sort leaves them."""
     num_pairs = ids.numel()
-    flat = ids.flatten()
     device = ids.device
     # At most min(E, T*K) experts are used, each wasting at most block_m - 1 rows.
     max_rows = min(num_pairs + num_experts * (block_m - 1), num_pairs * block_m)
     max_rows = triton.cdiv(max_rows, block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
-    count_starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    experts_sorted = flat[order]
-    rank = torch.arange(num_pairs, device=device) - count_starts[experts_sorted]
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
-    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[padded_starts[experts_sorted] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_rows, block_m, device=device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return SortedRows(sorted_pairs, block_experts.to(torch.int32), padded_ends[-1:].to(torch.int32), num_pairs)
+    num_blocks = max_rows // block_m
+    sorted_pairs = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.zeros(1, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return SortedRows(sorted_pairs, block_experts, num_padded, 0)
+    flat = ids.reshape(-1)
+    bins = triton.next_power_of_2(num_experts + 1)  # one bin more than the experts: past the end lands there
+    num_chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
+    counts = torch.empty((num_chunks, bins), dtype=torch.int32, device=device)
+    first_rows = torch.empty((num_chunks, bins), dtype=torch.int32, device=device)
+    _count_chunk_kernel[(num_chunks,)](flat, counts, num_pairs, BINS=bins, CHUNK=_ALIGN_CHUNK)
+    _expert_runs_kernel[(1,)](
+        counts, first_rows, sorted_pairs, block_experts, num_padded, num_chunks, num_experts, num_pairs, max_rows,
+        num_blocks, BLOCK_M=block_m, BINS=bins, ROWS=_ALIGN_ROWS, FILL=_ALIGN_FILL,
+    )  # fmt: skip
+    _scatter_pairs_kernel[(num_chunks,)](
+        flat, first_rows, sorted_pairs, num_pairs, BINS=bins, CHUNK=_ALIGN_CHUNK, num_warps=8
+    )
+    return SortedRows(sorted_pairs, block_experts, num_padded, num_pairs)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _count_chunk_kernel(ids_ptr, counts_ptr, num_pairs, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """counts[c, e]: the pairs of chunk c routed to expert e (bin BINS - 1 also counts the chunk's overhang)."""
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    experts = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=BINS - 1).to(tl.int32)
+    tl.store(counts_ptr + chunk * BINS + tl.arange(0, BINS), tl.histogram(experts, BINS).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs", "max_rows", "num_blocks"])
+def _expert_runs_kernel(
+    counts_ptr,
+    first_rows_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_chunks,
+    num_experts,
+    num_pairs,
+    max_rows,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    ROWS: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """One program: each expert's run of rows padded to whole blocks (back to back, in expert order), each chunk's
+    first row within its experts' runs (first_rows [chunks, BINS]), each block's expert, the rows in use, and every
+    row set to the padding pair (num_pairs) for _scatter_pairs_kernel to overwrite."""
+    experts = tl.arange(0, BINS)
+    is_expert = experts < num_experts
+    totals = tl.zeros([BINS], dtype=tl.int32)
+    for c0 in range(0, num_chunks, ROWS):
+        rows = c0 + tl.arange(0, ROWS)
+        tile = tl.load(counts_ptr + rows[:, None] * BINS + experts[None, :], mask=(rows < num_chunks)[:, None], other=0)
+        totals += tl.sum(tile, axis=0)
+    padded = tl.where(is_expert, (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, axis=0)
+    carry = ends - padded  # each expert's next free row
+    for c0 in range(0, num_chunks, ROWS):
+        rows = c0 + tl.arange(0, ROWS)
+        ok = (rows < num_chunks)[:, None]
+        tile = tl.load(counts_ptr + rows[:, None] * BINS + experts[None, :], mask=ok, other=0)
+        tl.store(
+            first_rows_ptr + rows[:, None] * BINS + experts[None, :], carry[None, :] + tl.cumsum(tile, 0) - tile, ok
+        )
+        carry += tl.sum(tile, axis=0)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for b0 in range(0, num_blocks, ROWS):  # a block's expert: the first whose run ends after the block's first row
+        blocks = b0 + tl.arange(0, ROWS)
+        ended = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & is_expert[None, :]
+        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts - 1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+    for r0 in range(0, max_rows, FILL):
+        offs = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs, tl.full([FILL], 0, tl.int32) + num_pairs, mask=offs < max_rows)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _scatter_pairs_kernel(ids_ptr, first_rows_ptr, sorted_ptr, num_pairs, BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """Each pair of chunk c to its row: its expert's first row for the chunk plus the chunk's earlier pairs of that
+    expert (so that an expert's pairs keep their flat order)."""
+    chunk = tl.program_id(0)
+    local = tl.arange(0, CHUNK)
+    offs = chunk * CHUNK + local
+    valid = offs < num_pairs
+    experts = tl.load(ids_ptr + offs, mask=valid, other=BINS - 1).to(tl.int32)
+    earlier = (experts[:, None] == experts[None, :]) & (local[None, :] < local[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    first = tl.load(first_rows_ptr + chunk * BINS + experts, mask=valid, other=0)
+    tl.store(sorted_ptr + first + rank, offs.to(tl.int32), mask=valid)
 
 
 # The number of pairs changes every step: specialising on it (== 1, divisible by 16) would compile variants mid-run.

@@ -62,6 +62,43 @@ def test_align_pads_each_expert_to_whole_blocks() -> None:
     assert (sorted_pairs[16:] == 8).all()
 
 
+def sorted_rows_reference(ids: torch.Tensor, num_experts: int, block_m: int):
+    """align_by_expert's rows from a stable sort (the torch ops the kernels replaced): sorted_pairs, block_experts,
+    num_padded."""
+    flat = ids.flatten()
+    num_pairs = flat.numel()
+    max_rows = min(num_pairs + num_experts * (block_m - 1), num_pairs * block_m)
+    max_rows = -(-max_rows // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(num_pairs) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    sorted_pairs = torch.full((max_rows,), num_pairs, dtype=torch.int32)
+    sorted_pairs[(ends - padded)[flat[order]] + rank] = order.to(torch.int32)
+    blocks = torch.searchsorted(ends, torch.arange(0, max_rows, block_m), right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, blocks.to(torch.int32), int(ends[-1])
+
+
+@interpreted
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts", "block_m"),
+    [(1, 8, 128, 16), (3, 2, 6, 16), (70, 8, 128, 64), (700, 8, 128, 64), (613, 4, 60, 128), (9, 1, 1, 32)],
+)
+def test_align_equals_a_stable_sort(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+    """Several chunks of pairs (128 a chunk) and of the offsets kernel's rows (32 chunks a step), experts no pair
+    picks, an expert count that is not a power of two (and one that is, leaving no spare bin below the padding's)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    scores[:, : num_experts // 3] *= 0.2  # uneven loads: some experts with many pairs, some with none
+    ids = scores.topk(top_k, dim=1).indices
+    aligned = align_by_expert(ids, num_experts, block_m)
+    want_pairs, want_blocks, want_rows = sorted_rows_reference(ids, num_experts, block_m)
+    assert aligned.num_pairs == ids.numel() and int(aligned.num_padded) == want_rows
+    assert torch.equal(aligned.sorted_pairs, want_pairs)
+    assert torch.equal(aligned.block_experts, want_blocks)
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
