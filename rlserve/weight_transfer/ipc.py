@@ -35,7 +35,7 @@ from rlserve.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from rlserve.weight_transfer.packed import as_bytes, tensor_metas, unpack_tensors
+from rlserve.weight_transfer.packed import TensorMeta, as_bytes, tensor_metas, unpack_tensors
 from rlserve.weight_transfer.source import WeightSource
 from rlserve.weight_transfer.trainer import (
     TrainerInitInfo,
@@ -182,7 +182,9 @@ class IPCStagingBuffer:
     """A packed staging buffer of `size_bytes`, allocated on the first tensor's device and exported then, once. Kept
     by a trainer and passed as `IPCTrainerSendWeightsArgs(staging=...)` on every sync, it is exported and mapped once
     for all of them: the engine keeps the mapping between syncs (so this buffer's memory stays mapped until a sync
-    comes from another buffer, or without `staging`, or the engine shuts down: keep it alive that long)."""
+    comes from another buffer, or without `staging`, or the engine shuts down: keep it alive that long). A chunk
+    layout seen before (the same names, dtypes and shapes) is filled through views made the first time: one
+    multi-tensor copy, without per-tensor host work beyond the layout's key."""
 
     def __init__(self, size_bytes: int) -> None:
         if size_bytes < 1:
@@ -190,6 +192,7 @@ class IPCStagingBuffer:
         self.nbytes = size_bytes
         self.buffer: torch.Tensor | None = None
         self.handle: dict[str, list[Any]] = {}
+        self._layouts: dict[tuple[TensorMeta, ...], _ChunkLayout] = {}
 
     def on(self, device: torch.device) -> torch.Tensor:
         """The buffer, on `device`: allocated and exported on the first call, which an empty update never makes."""
@@ -199,6 +202,57 @@ class IPCStagingBuffer:
         elif self.buffer.device != device:
             raise ValueError(f"the staging buffer is on {self.buffer.device}, but a tensor to send is on {device}")
         return self.buffer
+
+    def fill(self, chunk: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any]]:
+        """Copy the chunk's tensors into the buffer, back to back from its start (the copies are queued on the
+        current stream), and return its update-info fields (names, dtype_names, shapes, tensor_sizes)."""
+        key = tuple(TensorMeta(name, t.dtype, tuple(t.shape)) for name, t in chunk)
+        layout = self._layouts.get(key)
+        tensors = [t.detach() for _, t in chunk]
+        if layout is None:  # first seen: one cat of byte views, cheaper than making typed views it may never reuse
+            if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[key] = _ChunkLayout.of(key)
+            used = sum(layout.fields["tensor_sizes"])
+            torch.cat([as_bytes(t) for t in tensors], out=self.buffer[:used])
+            return layout.fields
+        if layout.views is None:
+            layout.views = _typed_views(self.buffer, key)
+        if layout.views:
+            torch._foreach_copy_(layout.views, tensors)
+        else:  # a tensor at an offset its dtype cannot view: byte views every time
+            torch.cat([as_bytes(t) for t in tensors], out=self.buffer[: sum(layout.fields["tensor_sizes"])])
+        return layout.fields
+
+
+@dataclass
+class _ChunkLayout:
+    """A chunk's update-info fields, and (once the layout comes a second time) typed views of its tensors in the
+    staging buffer; an empty list: some tensor's offset is not aligned for its dtype, so no views."""
+
+    fields: dict[str, list[Any]]
+    views: list[torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, metas: tuple[TensorMeta, ...]) -> _ChunkLayout:
+        return cls(
+            {
+                "names": [m.name for m in metas],
+                "dtype_names": [dtype_name(m.dtype) for m in metas],
+                "shapes": [list(m.shape) for m in metas],
+                "tensor_sizes": [m.nbytes for m in metas],
+            }
+        )
+
+
+def _typed_views(buffer: torch.Tensor, metas: tuple[TensorMeta, ...]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for meta in metas:
+        if offset % meta.dtype.itemsize:
+            return []
+        views.append(buffer[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape))
+        offset += meta.nbytes
+    return views
 
 
 @dataclass(frozen=True)
@@ -275,21 +329,17 @@ def _send_packed(
 ) -> None:
     """Copy tensors into the staging buffer and send a chunk whenever the next tensor would not fit (a chunk never
     exceeds the buffer). The buffer is exported once: for this sync, or, `keep_mapped`, for every sync from it."""
-    chunk: dict[str, list[Any]] = {"names": [], "dtype_names": [], "shapes": [], "tensor_sizes": []}
-    pending: list[torch.Tensor] = []  # the chunk's tensors as bytes, packed by one cat at flush (not 310 copies)
+    chunk: list[tuple[str, torch.Tensor]] = []  # held until its flush, then copied in one go
     used = 0
 
     def flush(is_last: bool) -> None:
-        if pending:
-            torch.cat(pending, out=staging.buffer[:used])
-            pending.clear()
+        fields = {key: list(values) for key, values in staging.fill(chunk).items()}  # the cached lists stay ours
+        chunk.clear()
         torch.cuda.synchronize()  # the copies into the buffer must be complete before the engine reads it
         send(
-            {**chunk, "ipc_handles": staging.handle, "packed": True, "is_last_chunk": is_last}
+            {**fields, "ipc_handles": staging.handle, "packed": True, "is_last_chunk": is_last}
             | ({"keep_mapped": True} if keep_mapped else {})
         )
-        for values in chunk.values():
-            values.clear()
 
     for name, tensor in iterator:
         size = tensor.nbytes
@@ -302,13 +352,9 @@ def _send_packed(
         if used + size > staging.nbytes:
             flush(is_last=False)  # send() returns after the engine loaded the chunk, so the buffer is free again
             used = 0
-        pending.append(as_bytes(tensor))
+        chunk.append((name, tensor))
         used += size
-        chunk["names"].append(name)
-        chunk["dtype_names"].append(dtype_name(tensor.dtype))
-        chunk["shapes"].append(list(tensor.shape))
-        chunk["tensor_sizes"].append(size)
-    if chunk["names"]:  # an empty update sends nothing
+    if chunk:  # an empty update sends nothing
         flush(is_last=True)
 
 
@@ -374,11 +420,27 @@ class IPCWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 decode_rebuild_args(args)
 
 
+# Chunk layouts whose views a mapping (or a kept staging buffer) remembers: a sync of any model is a few chunks.
+MAX_CACHED_LAYOUTS = 64
+
+
 class _Mapping(NamedTuple):
-    """The trainer's staging buffer as mapped for the current sync, and which export it came from."""
+    """The trainer's staging buffer as mapped for the current sync (or, kept, for every sync), which export it came
+    from, and the tensor views into it of each chunk layout seen (a model's 310 views cost milliseconds of host time
+    to make, and a kept buffer's later syncs bring the same layouts)."""
 
     export_id: tuple[Any, ...]
     buffer: torch.Tensor
+    views: dict[tuple[TensorMeta, ...], list[tuple[str, torch.Tensor]]]
+
+    def tensors(self, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+        key = tuple(metas)
+        views = self.views.get(key)
+        if views is None:
+            if len(self.views) >= MAX_CACHED_LAYOUTS:
+                self.views.clear()
+            views = self.views[key] = unpack_tensors(self.buffer, metas)
+        return list(views)  # a copy: the loader may consume its list
 
 
 class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IPCWeightTransferUpdateInfo]):
@@ -408,8 +470,8 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         if self._packed and not update_info.packed:
             raise ValueError("update_info: unpacked ipc_handles (a list), but init_info said packed=True")
         if update_info.packed:
-            buffer = self._map_buffer(update_info.ipc_handles, index, required=True)
-            load_weights(unpack_tensors(buffer, tensor_metas(update_info)))
+            self._map_buffer(update_info.ipc_handles, index, required=True)
+            load_weights(self._mapping.tensors(tensor_metas(update_info)))
         else:
             tensors = []
             for meta, handle in zip(tensor_metas(update_info), update_info.ipc_handles, strict=True):
@@ -452,7 +514,7 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
         if self._mapping is not None and self._mapping.export_id != export_id:
             self._release()  # a new sync started without the previous one's last chunk
         if self._mapping is None:
-            self._mapping = _Mapping(export_id, rebuild_cuda_tensor(*args))
+            self._mapping = _Mapping(export_id, rebuild_cuda_tensor(*args), {})
         return self._mapping.buffer
 
     def _rebuild(self, handle: dict[str, Any], index: int, required: bool) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from rlserve.weight_transfer import (
     weight_checksums,
 )
 from rlserve.weight_transfer.ipc import decode_rebuild_args, encode_rebuild_args
+from rlserve.weight_transfer.packed import TensorMeta
 
 CPU = torch.device("cpu")
 
@@ -324,3 +325,34 @@ def test_backends_are_loaded_inside_the_core_process(qwen3_dir, make_llm, monkey
         llm.init_weight_transfer_engine({"init_info": {}})
     assert llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     llm.shutdown()
+
+
+def test_ipc_staging_buffer_fills_a_known_layout_through_cached_views() -> None:
+    """A kept staging buffer's second sync of a layout copies through typed views made once; the bytes are those of
+    the first (byte views and a cat), and an unaligned layout keeps to the cat. The engine's side reads the chunk
+    back through views it keeps per layout. CPU tensors stand in for CUDA ones (the export needs a GPU)."""
+    from rlserve.weight_transfer.ipc import _Mapping
+
+    staging = IPCStagingBuffer(1 << 12)
+    staging.buffer = torch.zeros(1 << 12, dtype=torch.uint8)  # what on() allocates, without exporting it
+    gen = torch.Generator().manual_seed(0)
+    chunk = [("a", torch.randn(3, 4, generator=gen).to(torch.bfloat16)), ("b", torch.randn(7, generator=gen))]
+    fields = staging.fill(chunk)
+    first = staging.buffer.clone()
+    assert fields["names"] == ["a", "b"] and fields["tensor_sizes"] == [24, 28]
+    staging.buffer.zero_()
+    assert staging.fill(chunk) == fields
+    assert torch.equal(staging.buffer, first)  # the second fill went through the cached views
+    assert staging._layouts[tuple(staging._layouts)[0]].views  # and they exist
+    metas = [TensorMeta(n, t.dtype, tuple(t.shape)) for n, t in chunk]
+    mapping = _Mapping(("export",), staging.buffer, {})
+    for _ in range(2):  # made once, then reused
+        received = mapping.tensors(metas)
+        assert [n for n, _ in received] == ["a", "b"]
+        assert all(torch.equal(r, t) for (_, r), (_, t) in zip(received, chunk, strict=True))
+    assert len(mapping.views) == 1
+    odd = [("c", torch.ones(3, dtype=torch.uint8)), ("d", torch.full((2,), 2.0))]  # d at byte 3: no float view
+    for _ in range(2):
+        staging.fill(odd)
+        assert staging.buffer[:3].tolist() == [1, 1, 1]
+        assert torch.equal(staging.buffer[3:11].clone().view(torch.float32), torch.full((2,), 2.0))
