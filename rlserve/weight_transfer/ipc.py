@@ -2,7 +2,8 @@
 
 The trainer exports each tensor (or, packed, one staging buffer) with `torch.multiprocessing.reductions
 .reduce_tensor`; the engine maps it with `rebuild_cuda_tensor` (a zero-copy view) and loads from it. Handles travel
-as plain JSON-able data (`encode_rebuild_args`): never pickle, so an `update_weights` body cannot execute code.
+as plain JSON-able data (rlserve.weight_transfer.ipc_handles): never pickle, so an `update_weights` body cannot
+execute code.
 
 `ipc_handles` is keyed by GPU UUID (`str(torch.cuda.get_device_properties(i).uuid)`), so an FSDP trainer can merge
 the dicts of all its ranks and every engine worker picks its own GPU's entry.
@@ -18,23 +19,23 @@ per sync) and releases it when a different buffer arrives, a chunk comes without
 
 from __future__ import annotations
 
-import base64
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from rlserve.config import WeightTransferConfig
-from rlserve.dtypes import dtype_from_name, dtype_name
+from rlserve.dtypes import dtype_name
 from rlserve.weight_transfer.base import (
     LoadWeightsFn,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from rlserve.weight_transfer.ipc_handles import ARG_INDEX, decode_rebuild_args, export_tensor, gpu_uuid
 from rlserve.weight_transfer.packed import TensorMeta, as_bytes, tensor_metas, unpack_tensors
 from rlserve.weight_transfer.source import WeightSource
 from rlserve.weight_transfer.trainer import (
@@ -47,131 +48,6 @@ from rlserve.weight_transfer.trainer import (
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
 HTTP_TIMEOUT_S = 300.0
-
-# --- Plain-data encoding of rebuild_cuda_tensor's arguments --------------------------------------------------------
-
-# The only classes a handle may name: a name outside these tables is refused, so decoding never imports or calls
-# anything the sender chose.
-_TENSOR_CLASSES: dict[str, type] = {"torch.Tensor": torch.Tensor, "torch.nn.Parameter": torch.nn.Parameter}
-_STORAGE_CLASSES: dict[str, type] = {
-    "torch.storage.TypedStorage": torch.storage.TypedStorage,
-    "torch.UntypedStorage": torch.UntypedStorage,
-}
-
-
-class _Codec(NamedTuple):
-    encode: Callable[[Any], Any]
-    decode: Callable[[Any], Any]
-
-
-def _class_codec(table: dict[str, type]) -> _Codec:
-    names = {cls: name for name, cls in table.items()}
-
-    def encode(cls: type) -> str:
-        if cls not in names:
-            raise ValueError(f"cannot export {cls!r} over IPC: expected one of {sorted(table)}")
-        return names[cls]
-
-    def decode(value: Any) -> type:
-        if isinstance(value, type) and value in names:
-            return value
-        if isinstance(value, str) and value in table:
-            return table[value]
-        raise ValueError(f"class {value!r} is not allowed in an IPC handle: expected one of {sorted(table)}")
-
-    return _Codec(encode, decode)
-
-
-def _decode_int(value: Any) -> int:
-    if type(value) is not int:
-        raise ValueError(f"expected an int, got {value!r}")
-    return value
-
-
-def _decode_bool(value: Any) -> bool:
-    if type(value) is not bool:
-        raise ValueError(f"expected a bool, got {value!r}")
-    return value
-
-
-def _decode_ints(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple):
-        raise ValueError(f"expected a list of ints, got {value!r}")
-    return tuple(_decode_int(v) for v in value)
-
-
-def _encode_bytes(value: bytes | None) -> str | None:
-    return None if value is None else base64.b64encode(value).decode("ascii")
-
-
-def _decode_bytes(value: Any) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return base64.b64decode(value, validate=True)
-    raise ValueError(f"expected base64 text, got {value!r}")
-
-
-def _decode_dtype(value: Any) -> torch.dtype:
-    return value if isinstance(value, torch.dtype) else dtype_from_name(value)
-
-
-_INT = _Codec(int, _decode_int)
-_BOOL = _Codec(bool, _decode_bool)
-_BYTES = _Codec(_encode_bytes, _decode_bytes)
-# Positional, in rebuild_cuda_tensor's order, so index 6 is the storage device as in vLLM's handles.
-_REBUILD_ARGS: tuple[tuple[str, _Codec], ...] = (
-    ("tensor_cls", _class_codec(_TENSOR_CLASSES)),
-    ("tensor_size", _Codec(list, lambda v: torch.Size(_decode_ints(v)))),
-    ("tensor_stride", _Codec(list, _decode_ints)),
-    ("tensor_offset", _INT),
-    ("storage_cls", _class_codec(_STORAGE_CLASSES)),
-    ("dtype", _Codec(dtype_name, _decode_dtype)),
-    ("storage_device", _INT),
-    ("storage_handle", _BYTES),
-    ("storage_size_bytes", _INT),
-    ("storage_offset_bytes", _INT),
-    ("requires_grad", _BOOL),
-    ("ref_counter_handle", _BYTES),
-    ("ref_counter_offset", _INT),
-    ("event_handle", _BYTES),
-    ("event_sync_required", _BOOL),
-)
-_ARG_INDEX = {name: i for i, (name, _) in enumerate(_REBUILD_ARGS)}
-
-
-def encode_rebuild_args(args: Sequence[Any]) -> list[Any]:
-    """`reduce_tensor(t)[1]` -> a list of JSON values (classes and dtype by name, handles as base64 text)."""
-    if len(args) != len(_REBUILD_ARGS):
-        raise ValueError(f"expected {len(_REBUILD_ARGS)} rebuild_cuda_tensor arguments, got {len(args)}")
-    return [codec.encode(value) for (_, codec), value in zip(_REBUILD_ARGS, args, strict=True)]
-
-
-def decode_rebuild_args(data: Sequence[Any]) -> list[Any]:
-    """Inverse of `encode_rebuild_args`; also accepts the raw arguments (as an in-process caller would pass).
-    Refuses any class outside the allowlist and any field of the wrong type."""
-    if not isinstance(data, list | tuple) or len(data) != len(_REBUILD_ARGS):
-        raise ValueError(f"an IPC handle is a list of {len(_REBUILD_ARGS)} rebuild_cuda_tensor arguments")
-    decoded = []
-    for (name, codec), value in zip(_REBUILD_ARGS, data, strict=True):
-        try:
-            decoded.append(codec.decode(value))
-        except ValueError as e:
-            raise ValueError(f"bad IPC handle field {name!r}: {e}") from e
-    return decoded
-
-
-def gpu_uuid(device_index: int) -> str:
-    return str(torch.cuda.get_device_properties(device_index).uuid)
-
-
-def export_tensor(tensor: torch.Tensor) -> dict[str, list[Any]]:
-    """`{gpu_uuid: encoded rebuild args}` for a CUDA tensor. The tensor must stay alive until the engine is done."""
-    if not tensor.is_cuda:
-        raise ValueError(f"the ipc backend shares CUDA tensors, got one on {tensor.device}")
-    _, args = reduce_tensor(tensor)
-    return {gpu_uuid(tensor.device.index): encode_rebuild_args(args)}
-
 
 # --- Trainer side -------------------------------------------------------------------------------------------------
 
@@ -508,7 +384,7 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
             return None
         # The storage handle and offset name the buffer; the ref-counter slot names this export of it.
         export_id = tuple(
-            args[_ARG_INDEX[f]]
+            args[ARG_INDEX[f]]
             for f in ("storage_handle", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset")
         )
         if self._mapping is not None and self._mapping.export_id != export_id:
@@ -528,7 +404,7 @@ class IPCWeightTransferEngine(WeightTransferEngine[IPCWeightTransferInitInfo, IP
                 raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {list(handle)}")
             return None
         args = decode_rebuild_args(handle[uuid])
-        args[_ARG_INDEX["storage_device"]] = index  # the trainer's device index need not be ours for the same GPU
+        args[ARG_INDEX["storage_device"]] = index  # the trainer's device index need not be ours for the same GPU
         return args
 
     def _release(self) -> None:

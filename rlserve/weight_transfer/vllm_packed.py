@@ -16,7 +16,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from rlserve.dtypes import dtype_from_name
-from rlserve.weight_transfer.ipc import gpu_uuid
+from rlserve.weight_transfer.ipc_handles import gpu_uuid
 from rlserve.weight_transfer.nccl import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 from rlserve.weight_transfer.packed import TensorMeta, _check_params, as_bytes, iter_buckets, unpack_tensors
 

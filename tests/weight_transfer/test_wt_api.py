@@ -22,7 +22,7 @@ from rlserve.weight_transfer import (
     tensor_sha256,
     weight_checksums,
 )
-from rlserve.weight_transfer.ipc import decode_rebuild_args, encode_rebuild_args
+from rlserve.weight_transfer.ipc_handles import decode_rebuild_args, encode_rebuild_args
 from rlserve.weight_transfer.packed import TensorMeta
 
 CPU = torch.device("cpu")
